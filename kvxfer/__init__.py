@@ -1,0 +1,71 @@
+"""kvxfer: move LLM KV caches between processes and hosts over NIXL, for disaggregated prefill/decode.
+
+    from kvxfer import Agent, AgentConfig, KVSpec
+
+See docs/api.md for the public API and docs/architecture.md for the layers.
+"""
+
+from kvxfer.config import AgentConfig
+from kvxfer.engine.handles import TransferHandle, TransferStats
+from kvxfer.errors import (
+    AuthenticationError,
+    BackendError,
+    BlockIdError,
+    ClosedError,
+    ConfigError,
+    IncompatiblePeerError,
+    KvxferError,
+    LayoutError,
+    LeaseExpiredError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    TransferError,
+    TransferFailedError,
+    TransferTimeoutError,
+)
+from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
+from kvxfer.types import Direction, MemKind
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The Agent pulls in the side channel (zmq) and the protocol; load it on first use so
+    # `import kvxfer` stays light for tools that only need specs, errors or the proxy.
+    if name in ("Agent", "Finished"):
+        from kvxfer import agent
+
+        return getattr(agent, name)
+    raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
+
+
+__all__ = sorted([
+    "Agent",
+    "AgentConfig",
+    "AuthenticationError",
+    "BackendError",
+    "BlockIdError",
+    "CacheGeometry",
+    "ClosedError",
+    "ConfigError",
+    "Direction",
+    "Finished",
+    "IncompatiblePeerError",
+    "KVSpec",
+    "KvxferError",
+    "LayoutError",
+    "LeaseExpiredError",
+    "Layout",
+    "MemKind",
+    "PeerLostError",
+    "ProtocolError",
+    "RegistrationError",
+    "Storage",
+    "TransferError",
+    "TransferFailedError",
+    "TransferHandle",
+    "TransferStats",
+    "TransferTimeoutError",
+    "__version__",
+])

@@ -59,8 +59,8 @@ class Backend(Protocol):
     def deregister(self, handle: object) -> None:
         ...
 
-    def post(self, direction: Direction, kind: MemKind, local: np.ndarray, remote: np.ndarray,
-             peer: str, notification: bytes) -> XferId:
+    def post(self, direction: Direction, local: np.ndarray, local_kind: MemKind,
+             remote: np.ndarray, remote_kind: MemKind, peer: str, notification: bytes) -> XferId:
         """Start moving ``local[i] <-> remote[i]`` for all i; on completion ``notification``
         is delivered to ``peer``. READ fills local from remote; WRITE the reverse."""
         ...

@@ -1,0 +1,5 @@
+"""The composition root: ``Agent`` wires config, backend, registry, engine and side channel."""
+
+from kvxfer.agent.core import Agent, Finished
+
+__all__ = ["Agent", "Finished"]

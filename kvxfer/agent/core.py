@@ -1,0 +1,422 @@
+"""``Agent``: the public face of kvxfer (layer: agent, the composition root; may import every layer).
+
+An Agent is one TP rank's endpoint: it registers the rank's KV cache, listens on the side
+channel, holds blocks for consumers (producer role), reads or writes blocks of a request
+from or to peers (consumer role), and reports what finished. A background progress thread
+polls transfers, notifications and lease expiry; every user-facing wait takes a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from kvxfer.agent.peers import PeerDirectory, PeerLink
+from kvxfer.agent.service import ProducerService
+from kvxfer.backend.base import Backend
+from kvxfer.clock import Clock, MonotonicClock
+from kvxfer.config import AgentConfig
+from kvxfer.engine.handles import TransferHandle
+from kvxfer.engine.leases import LeaseTable
+from kvxfer.engine.staging import StagingAllocator
+from kvxfer.engine.transfers import Part, TransferEngine
+from kvxfer.errors import (
+    BlockIdError, ClosedError, KvxferError, LeaseExpiredError, PeerLostError, RegistrationError,
+)
+from kvxfer.layout import CacheView, KVSpec, peer_ranks
+from kvxfer.memory import MemoryRegistry, host_view
+from kvxfer.protocol import (
+    Abort, Claim, Codec, Grant, Heartbeat, Refuse, compat_hash, decode_notification,
+    encode_notification, make_peer_info, new_engine_id,
+)
+from kvxfer.transport.address import side_channel_address
+from kvxfer.transport.zmq import SideChannelServer
+from kvxfer.types import Direction, MemKind
+
+__all__ = ["Agent", "Finished"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+@dataclass
+class Finished:
+    """What completed since the last ``Agent.finished()`` call.
+
+    ``sent``: producer requests released because every consumer reported done.
+    ``expired``: producer requests released by abort or lease expiry.
+    ``received``: consumer requests whose blocks arrived (reads, or writes from producers).
+    ``failed``: consumer requests that failed, with the error.
+    """
+
+    sent: set[str] = field(default_factory=set)
+    expired: set[str] = field(default_factory=set)
+    received: set[str] = field(default_factory=set)
+    failed: dict[str, KvxferError] = field(default_factory=dict)
+
+
+class Agent:
+    """One TP rank's KV-transfer endpoint. Use as a context manager, or call ``close``.
+
+    Args:
+        name: a readable name (the engine id adds a random nonce to it).
+        spec: this rank's cache shape.
+        config: side channel, backends, leases, timeouts (``AgentConfig.from_env()`` by default).
+        backend: a ``Backend``; default a ``NixlBackend`` with ``config.backends``.
+        clock: the clock leases and deadlines use (tests pass a ``ManualClock``).
+    """
+
+    def __init__(self, name: str, spec: KVSpec, config: AgentConfig | None = None, *,
+                 backend: Backend | None = None, clock: Clock | None = None) -> None:
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec; got {type(spec).__name__}")
+        self.spec = spec
+        self.config = config or AgentConfig.from_env()
+        self.engine_id = new_engine_id(name)
+        self._clock = clock or MonotonicClock()
+        if backend is None:
+            from kvxfer.backend.nixl import NixlBackend  # lazy: only this module of the agent needs nixl
+
+            backend = NixlBackend(f"{self.engine_id}", self.config.backends)
+        self._backend = backend
+        self._codec = Codec(compat_hash(spec), key=self.config.auth_key,
+                            max_bytes=self.config.max_message_bytes)
+        self._registry = MemoryRegistry(backend)
+        self._view: CacheView | None = None
+        self._engine: TransferEngine | None = None
+        self._finished = Finished()
+        self._finished_lock = threading.Lock()
+        self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release)
+        self._service = ProducerService(self)
+        self._server: SideChannelServer | None = None
+        self._address: tuple[str, int] | None = None
+        self._peers = PeerDirectory(self._codec, self._peer_info, backend.add_peer,
+                                    backend.remove_peer, self.config.handshake_timeout)
+        self._claims: dict[str, list[PeerLink]] = {}
+        self._expected_writes: dict[str, int] = {}
+        self._write_counts: dict[str, int] = {}
+        self._closed = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- set-up --------------------------------------------------------------------
+    def register(self, tensors) -> None:
+        """Register this rank's KV cache (shapes as ``spec.tensor_shapes()``).
+
+        Raises:
+            RegistrationError: the tensors do not match the spec, or a cache is already registered.
+        """
+        self._check_open()
+        if self._view is not None:
+            raise RegistrationError("a KV cache is already registered with this agent")
+        geometry = self._registry.register(self.spec, tensors)
+        self._view = CacheView(self.spec, geometry)
+        staging, base = None, 0
+        if self.config.staging_bytes and geometry.kind is MemKind.DRAM:
+            self._staging_buf = np.empty(self.config.staging_bytes, dtype=np.uint8)
+            region = self._registry.register_buffer(self._staging_buf)
+            staging, base = StagingAllocator(self.config.staging_bytes), region.addr
+        self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
+                                      staging_base=base, staging=staging, unpack=self._unpack)
+
+    def listen(self) -> tuple[str, int]:
+        """Start the side-channel listener; returns the bound (host, port). Idempotent."""
+        self._check_open()
+        self._require_cache()
+        if self._address is not None:
+            return self._address
+        host, port = side_channel_address(
+            self.config.side_channel_host, self.config.side_channel_port,
+            dp_rank=self.config.dp_rank, tp_rank=self.spec.tp_rank, tp_size=self.spec.tp_size)
+        self._server = SideChannelServer(host, port, self._service.make_session)
+        self._address = self._server.start()
+        log.info("agent %s listening on %s:%d", self.engine_id, *self._address)
+        return self._address
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The side-channel (host, port) once listening."""
+        return self._address
+
+    @property
+    def cache(self) -> CacheView:
+        return self._require_cache()
+
+    # ---- producer ------------------------------------------------------------------
+    def hold(self, request_id: str, block_ids, consumers: int | None = None,
+             lease: float | None = None) -> None:
+        """Keep ``block_ids`` readable for ``request_id`` until every consumer is done,
+        the request is released, or the lease expires. ``consumers=None``: derived from the
+        first claimant's TP size."""
+        self._check_open()
+        self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease)
+        self._wake.set()
+
+    def release(self, request_id: str) -> bool:
+        """Producer-side abort: drop the hold now. Returns False if nothing was held."""
+        return self._leases.release(request_id, "aborted")
+
+    def holding(self, request_id: str) -> bool:
+        return self._leases.held(request_id)
+
+    # ---- consumer ------------------------------------------------------------------
+    def connect(self, host: str, port: int, *, refresh: bool = False) -> PeerLink:
+        """Handshake with the agent at host:port (cached). Raises PeerLostError if nobody answers."""
+        self._check_open()
+        self._require_cache()
+        return self._peers.get(host, port, refresh=refresh)
+
+    def read(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
+             timeout: float | None = None) -> TransferHandle:
+        """Pull ``remote_blocks`` of ``request_id`` from the instance at ``remote`` into ``local_blocks``.
+
+        ``remote`` is the remote instance's rank-0 side-channel address (its base port for
+        its DP rank); kvxfer contacts every remote TP rank this rank needs heads from.
+
+        Raises (at once): PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError,
+        LeaseExpiredError (the producer no longer holds the request). Errors during the
+        transfer surface from the handle.
+        """
+        self._check_open()
+        view = self._require_cache()
+        local = _ids(local_blocks, self.spec.num_blocks, "local")
+        remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+        links = self._links_for(remote)
+        parts = []
+        for link in links:
+            plan = link.plan(view, allow_conversion=self.config.allow_conversion)
+            req = plan.for_request(local, remote_ids)
+            note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+            parts.append((link, Part(link.agent_name, req, link.view.geometry.kind, note)))
+        self._claim(request_id, remote_ids, [link for link, _ in parts])
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        try:
+            handle = self._engine.submit(request_id, Direction.READ, [p for _, p in parts], timeout=timeout)
+        except KvxferError:
+            self._abort_claims(request_id)
+            raise
+        handle.add_done_callback(self._on_read_done)
+        self._wake.set()
+        return handle
+
+    def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
+              timeout: float | None = None) -> TransferHandle:
+        """Push this producer rank's ``local_blocks`` into a consumer instance's ``remote_blocks``.
+
+        Every consumer rank that needs heads this rank holds is written; the consumer's
+        ``finished().received`` reports the request once the writes it expects arrived
+        (see ``expect_writes``). Only direct (byte-range) plans can be written.
+        """
+        self._check_open()
+        view = self._require_cache()
+        local = _ids(local_blocks, self.spec.num_blocks, "local")
+        remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+        head = self._peers.get(*remote)
+        parts = []
+        for rank in range(head.spec.tp_size):
+            link = head if rank == head.spec.tp_rank else self._peers.get(remote[0], _rank_port(head, rank))
+            if self.spec.tp_rank not in peer_ranks(link.spec, self.spec.tp_size):
+                continue
+            plan = link.plan(view, allow_conversion=False, reverse=True)
+            req = plan.for_request(remote_ids, local)
+            note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+            parts.append(Part(link.agent_name, _Reversed(req), link.view.geometry.kind, note))
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        handle = self._engine.submit(request_id, Direction.WRITE, parts, timeout=timeout)
+        self._wake.set()
+        return handle
+
+    def expect_writes(self, request_id: str, producers: int) -> None:
+        """Consumer side of WRITE: report ``request_id`` received after ``producers`` writes (default 1)."""
+        self._expected_writes[request_id] = producers
+
+    def abort(self, request_id: str, remote: tuple[str, int] | None = None) -> None:
+        """Consumer-side abort: cancel an in-flight read and tell the producer ranks to release.
+
+        ``remote`` reaches a producer this agent has not claimed from yet (abort before read).
+        """
+        self._check_open()
+        if self._engine is not None:
+            self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
+        links = self._claims.pop(request_id, None)
+        if links is None and remote is not None:
+            links = self._links_for(remote)
+        for link in links or ():
+            try:
+                link.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)
+            except KvxferError as exc:
+                log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+
+    def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> list[str]:
+        """Heartbeat: extend the producer's leases of requests still wanted; returns those gone."""
+        gone: list[str] = []
+        for link in self._links_for(remote):
+            ack = link.ask(Heartbeat(list(request_ids), self.engine_id), self.config.handshake_timeout)
+            gone.extend(ack.gone)
+        return sorted(set(gone))
+
+    # ---- reporting -----------------------------------------------------------------
+    def finished(self) -> Finished:
+        """Drain and return what finished since the last call."""
+        with self._finished_lock:
+            out, self._finished = self._finished, Finished()
+        return out
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        """Stop listening, fail in-flight transfers, deregister memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
+        if self._engine is not None:
+            self._engine.close()
+        self._peers.close()
+        self._registry.close()
+        self._backend.close()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"agent {self.engine_id} is closed")
+
+    def _require_cache(self) -> CacheView:
+        if self._view is None:
+            raise RegistrationError("register the KV cache before listening or transferring")
+        return self._view
+
+    def _peer_info(self):
+        host, port = self._address or ("", 0)
+        return make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
+                              self._backend.metadata(), host, port, self.config.lease_timeout)
+
+    def _links_for(self, remote: tuple[str, int]) -> list[PeerLink]:
+        host, port = remote
+        head = self._peers.get(host, int(port))
+        ranks = peer_ranks(self.spec, head.spec.tp_size)
+        return [head if r == head.spec.tp_rank else self._peers.get(host, _rank_port(head, r)) for r in ranks]
+
+    def _claim(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> None:
+        claim = Claim(request_id, [int(i) for i in remote_ids], self.engine_id)
+        granted: list[PeerLink] = []
+        for link in links:
+            try:
+                reply = link.ask(claim, self.config.handshake_timeout)
+            except PeerLostError:
+                self._peers.drop(link)
+                self._abort_links(request_id, granted)
+                raise
+            if isinstance(reply, Refuse):
+                self._abort_links(request_id, granted)
+                raise LeaseExpiredError(f"producer {link.engine_id} refused {request_id!r}: {reply.reason}")
+            if not isinstance(reply, Grant):
+                self._abort_links(request_id, granted)
+                raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
+            granted.append(link)
+        self._claims[request_id] = granted
+
+    def _abort_claims(self, request_id: str) -> None:
+        self._abort_links(request_id, self._claims.pop(request_id, []))
+
+    def _abort_links(self, request_id: str, links: list[PeerLink]) -> None:
+        for link in links:
+            try:
+                link.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)
+            except KvxferError as exc:
+                log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+
+    def _on_read_done(self, handle: TransferHandle) -> None:
+        self._claims.pop(handle.request_id, None)
+        with self._finished_lock:
+            error = handle.exception()
+            if error is None:
+                self._finished.received.add(handle.request_id)
+            else:
+                self._finished.failed[handle.request_id] = error
+
+    def _on_release(self, request_id: str, why: str) -> None:
+        with self._finished_lock:
+            (self._finished.sent if why == "sent" else self._finished.expired).add(request_id)
+
+    def _unpack(self, plan, staging_addr: int) -> None:
+        staging = host_view(staging_addr, plan.staging_bytes)
+        geometry, spec = self._view.geometry, self.spec
+        plan.unpack_numpy(staging, lambda layer, kv: host_view(int(geometry.bases[layer, kv]), spec.region_bytes))
+
+    def _on_notification(self, peer: str, data: bytes) -> None:
+        try:
+            request_id, engine_id = decode_notification(data, self.config.auth_key)
+        except KvxferError as exc:
+            log.warning("dropping a bad notification from %s: %s", peer, exc)
+            return
+        if self._leases.done(request_id, engine_id) or self._leases.held(request_id):
+            return
+        count = self._write_counts.get(request_id, 0) + 1
+        if count >= self._expected_writes.get(request_id, 1):
+            self._write_counts.pop(request_id, None)
+            self._expected_writes.pop(request_id, None)
+            with self._finished_lock:
+                self._finished.received.add(request_id)
+        else:
+            self._write_counts[request_id] = count
+
+    def _progress_loop(self) -> None:
+        last_expire = 0.0
+        while not self._closed:
+            busy = False
+            try:
+                if self._engine is not None:
+                    busy = self._engine.in_flight() > 0
+                    if busy:
+                        self._engine.progress()
+                for peer, data in self._backend.notifications():
+                    self._on_notification(peer, data)
+                now = self._clock.now()
+                if now - last_expire > 0.01:
+                    self._leases.expire()
+                    last_expire = now
+            except ClosedError:
+                return
+            except Exception:  # the loop must survive anything a peer can cause
+                log.exception("kvxfer progress loop")
+            if busy:
+                self._wake.wait(self.config.progress_interval)
+            else:
+                self._wake.wait(0.001 if len(self._leases) else 0.005)
+            self._wake.clear()
+
+
+class _Reversed:
+    """A RequestPlan seen from the writer: its local side is the plan's remote side."""
+
+    def __init__(self, req) -> None:
+        self.local, self.remote = req.remote, req.local
+        self.num_bytes, self.staging_bytes = req.num_bytes, 0
+
+
+def _rank_port(head: PeerLink, rank: int) -> int:
+    """Side-channel port of another TP rank of the head's instance (ranks use consecutive ports)."""
+    return head.port - head.spec.tp_rank + rank
+
+
+def _ids(blocks, num_blocks: int, side: str) -> np.ndarray:
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise BlockIdError(f"{side} block id {bad} outside [0, {num_blocks})")
+    return ids
+
+

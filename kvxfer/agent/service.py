@@ -1,0 +1,63 @@
+"""What a producer answers on its side channel: claims, heartbeats, aborts (layer: agent).
+
+Each connected consumer gets its own sans-IO ``ServerSession``; after the handshake its
+requests land here and are applied to the agent's lease table. Peer input never raises
+out of here: bad requests get a ``Refuse`` and change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvxfer.errors import KvxferError
+from kvxfer.layout import expected_notifications
+from kvxfer.protocol import (
+    Abort, Ack, Claim, Grant, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse, ServerSession,
+)
+
+if TYPE_CHECKING:
+    from kvxfer.agent.core import Agent
+
+__all__ = ["ProducerService"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class ProducerService:
+    """Serves one agent's side channel."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+
+    def make_session(self) -> ServerSession:
+        """A fresh server session for a new client identity (called by the transport)."""
+        box: list[ServerSession] = []
+        session = ServerSession(self._agent._codec, self._agent._peer_info(),
+                                on_request=lambda message: self.handle(message, box[0].peer))
+        box.append(session)
+        return session
+
+    def handle(self, message, peer: PeerInfo | None):
+        """Apply one request from a handshaken consumer; returns the reply message."""
+        leases = self._agent._leases
+        if isinstance(message, Claim):
+            consumer_tp = peer.spec.tp_size if peer is not None else 1
+            try:
+                expected = expected_notifications(self._agent.spec, consumer_tp)
+            except KvxferError as exc:
+                return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
+            result = leases.claim(message.request_id, message.engine_id, message.block_ids, expected)
+            if not result.granted:
+                log.info("refused claim of %r by %s: %s", message.request_id, message.engine_id, result.reason)
+                return Refuse(message.request_id, result.reason)
+            return Grant(message.request_id, result.lease_remaining)
+        if isinstance(message, Heartbeat):
+            alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
+            return HeartbeatAck(alive, gone)
+        if isinstance(message, Abort):
+            leases.release(message.request_id, "aborted")
+            return Ack()
+        if isinstance(message, PackRequest):
+            return Refuse(message.request_id, "producer-side packing is not enabled on this agent")
+        return Refuse(getattr(message, "request_id", "?") or "?", f"unexpected {type(message).__name__}")

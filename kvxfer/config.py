@@ -1,0 +1,98 @@
+"""Agent configuration and its environment variables (layer: config; stdlib + errors only)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from kvxfer.errors import ConfigError
+
+__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT"]
+
+#: Hard cap a producer holds an unclaimed request's blocks (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default).
+DEFAULT_LEASE_TIMEOUT = 480.0
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive; got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How an Agent talks to its peers.
+
+    Args:
+        side_channel_host: address the listener binds and advertises. ``None``: env
+            ``KVXFER_SIDE_CHANNEL_HOST``, then ``VLLM_NIXL_SIDE_CHANNEL_HOST``, then a routable
+            address of this host.
+        side_channel_port: base port. ``None``: env ``KVXFER_SIDE_CHANNEL_PORT``, then
+            ``VLLM_NIXL_SIDE_CHANNEL_PORT``, then 5600. The agent of TP rank r in DP rank d
+            listens at ``base + d * tp_size + r``.
+        dp_rank: data-parallel rank of this agent's instance.
+        backends: NIXL backends (plugins) to instantiate, in order of preference.
+        lease_timeout: seconds a producer holds blocks nobody has claimed or heartbeated.
+        auth_key: shared secret for HMAC on the side channel (env ``KVXFER_AUTH_KEY``).
+        allow_conversion: allow staged transfers that permute layouts (HND <-> NHD).
+        handshake_timeout: deadline for one side-channel round trip.
+        transfer_timeout: default deadline for one transfer (``None``: wait for ever).
+        staging_bytes: host staging buffer registered for staged (converting) transfers.
+        progress_interval: seconds the progress thread sleeps while transfers are in flight.
+    """
+
+    side_channel_host: str | None = None
+    side_channel_port: int | None = None
+    dp_rank: int = 0
+    backends: tuple[str, ...] = ("UCX",)
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT
+    auth_key: bytes | None = None
+    allow_conversion: bool = True
+    handshake_timeout: float = 10.0
+    transfer_timeout: float | None = 120.0
+    staging_bytes: int = 64 << 20
+    progress_interval: float = 50e-6
+    max_message_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backends, str) or not all(isinstance(b, str) and b for b in self.backends):
+            raise ConfigError(f"backends must be a list of backend names; got {self.backends!r}")
+        object.__setattr__(self, "backends", tuple(self.backends))
+        if not isinstance(self.dp_rank, int) or self.dp_rank < 0:
+            raise ConfigError(f"dp_rank must be a non-negative integer; got {self.dp_rank!r}")
+        for name in ("lease_timeout", "handshake_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds; got {value!r}")
+        if self.transfer_timeout is not None and self.transfer_timeout <= 0:
+            raise ConfigError(f"transfer_timeout must be positive or None; got {self.transfer_timeout!r}")
+        if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
+            raise ConfigError(f"staging_bytes must be a non-negative integer; got {self.staging_bytes!r}")
+        if isinstance(self.auth_key, str):
+            object.__setattr__(self, "auth_key", self.auth_key.encode())
+
+    @classmethod
+    def from_env(cls, **overrides) -> "AgentConfig":
+        """A config whose unset fields come from kvxfer's environment variables."""
+        values: dict = {}
+        key = os.environ.get("KVXFER_AUTH_KEY")
+        if key:
+            values["auth_key"] = key.encode()
+        lease = _env_float("KVXFER_LEASE_TIMEOUT")
+        if lease is not None:
+            values["lease_timeout"] = lease
+        backends = os.environ.get("KVXFER_BACKENDS")
+        if backends:
+            values["backends"] = tuple(b.strip() for b in backends.split(",") if b.strip())
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes) -> "AgentConfig":
+        return replace(self, **changes)

@@ -1,0 +1,110 @@
+"""Per-request transfer handles: done / wait / await (layer: engine; no nixl, zmq or torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from kvxfer.errors import KvxferError, TransferTimeoutError
+
+__all__ = ["TransferHandle", "TransferStats"]
+
+
+@dataclass
+class TransferStats:
+    """What one request moved: payload bytes, descriptors posted, seconds from post to completion."""
+
+    request_id: str
+    num_bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    mode: str = "direct"
+    peers: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class TransferHandle:
+    """One request's transfer, possibly spread over several peer ranks.
+
+    Completed exactly once, by the engine's progress thread, with stats or an error.
+    ``wait`` and ``await`` re-raise the error; ``done`` never raises.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._event = threading.Event()
+        self._error: KvxferError | None = None
+        self._stats: TransferStats | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+
+    # ---- engine side -----------------------------------------------------------
+    def _finish(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> bool:
+        """Complete the handle; returns False if it was already complete."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._stats, self._error = stats, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+        return True
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` on completion (at once if already complete), on the completing thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # ---- user side ---------------------------------------------------------------
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def exception(self) -> KvxferError | None:
+        """The error the transfer ended with, or None (also None while still running)."""
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> TransferStats:
+        """Block until complete; return the stats or raise the transfer's error.
+
+        Raises:
+            TransferTimeoutError: ``timeout`` seconds passed first (the transfer goes on).
+        """
+        if not self._event.wait(timeout):
+            raise TransferTimeoutError(
+                f"request {self.request_id!r} not complete within {timeout} s"
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._stats is not None  # set together with the event (internal invariant)
+        return self._stats
+
+    def __await__(self):
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def resolve(_: "TransferHandle") -> None:
+            loop.call_soon_threadsafe(_settle, future, self)
+
+        self.add_done_callback(resolve)
+        return (yield from future.__await__())
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<TransferHandle {self.request_id!r} {state}>"
+
+
+def _settle(future: asyncio.Future, handle: TransferHandle) -> None:
+    if future.done():
+        return
+    if handle._error is not None:
+        future.set_exception(handle._error)
+    else:
+        future.set_result(handle._stats)
