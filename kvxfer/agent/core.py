@@ -27,7 +27,7 @@ from kvxfer.engine.transfers import Part, TransferEngine
 from kvxfer.errors import (
     BlockIdError, ClosedError, KvxferError, LeaseExpiredError, PeerLostError, RegistrationError,
 )
-from kvxfer.layout import CacheView, KVSpec, peer_ranks
+from kvxfer.layout import CacheView, KVSpec, notify_ranks, peer_ranks
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
     Abort, Claim, Codec, Grant, Heartbeat, Refuse, compat_hash, decode_notification,
@@ -185,17 +185,22 @@ class Agent:
         view = self._require_cache()
         local = _ids(local_blocks, self.spec.num_blocks, "local")
         remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
-        links = self._links_for(remote)
+        links, notify_only = self._links_for(remote)
         parts = []
         for link in links:
             plan = link.plan(view, allow_conversion=self.config.allow_conversion)
             req = plan.for_request(local, remote_ids)
             note = encode_notification(request_id, self.engine_id, self.config.auth_key)
             parts.append((link, Part(link.agent_name, req, link.view.geometry.kind, note)))
-        self._claim(request_id, remote_ids, [link for link, _ in parts])
+        self._claim(request_id, remote_ids, links + notify_only)
         timeout = self.config.transfer_timeout if timeout is None else timeout
+        on_success = None
+        if notify_only:  # replicas we depend on but do not read from: tell them we are done too
+            note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+            on_success = lambda: [self._backend.notify(link.agent_name, note) for link in notify_only]  # noqa: E731
         try:
-            handle = self._engine.submit(request_id, Direction.READ, [p for _, p in parts], timeout=timeout)
+            handle = self._engine.submit(request_id, Direction.READ, [p for _, p in parts],
+                                         timeout=timeout, on_success=on_success)
         except KvxferError:
             self._abort_claims(request_id)
             raise
@@ -244,7 +249,7 @@ class Agent:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
         links = self._claims.pop(request_id, None)
         if links is None and remote is not None:
-            links = self._links_for(remote)
+            links = [link for group in self._links_for(remote) for link in group]
         for link in links or ():
             try:
                 link.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)
@@ -254,7 +259,7 @@ class Agent:
     def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> list[str]:
         """Heartbeat: extend the producer's leases of requests still wanted; returns those gone."""
         gone: list[str] = []
-        for link in self._links_for(remote):
+        for link in [link for group in self._links_for(remote) for link in group]:
             ack = link.ask(Heartbeat(list(request_ids), self.engine_id), self.config.handshake_timeout)
             gone.extend(ack.gone)
         return sorted(set(gone))
@@ -303,11 +308,18 @@ class Agent:
         return make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
                               self._backend.metadata(), host, port, self.config.lease_timeout)
 
-    def _links_for(self, remote: tuple[str, int]) -> list[PeerLink]:
+    def _links_for(self, remote: tuple[str, int]) -> tuple[list[PeerLink], list[PeerLink]]:
+        """Links to the remote ranks this rank reads from, and to those it only notifies."""
         host, port = remote
         head = self._peers.get(host, int(port))
-        ranks = peer_ranks(self.spec, head.spec.tp_size)
-        return [head if r == head.spec.tp_rank else self._peers.get(host, _rank_port(head, r)) for r in ranks]
+        tp = head.spec.tp_size
+        read = set(peer_ranks(self.spec, tp))
+
+        def link(rank: int) -> PeerLink:
+            return head if rank == head.spec.tp_rank else self._peers.get(host, _rank_port(head, rank))
+
+        ranks = notify_ranks(self.spec, tp)
+        return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
 
     def _claim(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> None:
         claim = Claim(request_id, [int(i) for i in remote_ids], self.engine_id)
