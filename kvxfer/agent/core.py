@@ -94,7 +94,8 @@ class Agent:
         self._server: SideChannelServer | None = None
         self._address: tuple[str, int] | None = None
         self._peers = PeerDirectory(self._codec, self._peer_info, backend.add_peer,
-                                    backend.remove_peer, self.config.handshake_timeout)
+                                    backend.remove_peer, self.config.handshake_timeout,
+                                    getattr(backend, "connect", None))
         self._claims: dict[str, list[PeerLink]] = {}
         self._expected_writes: dict[str, int] = {}
         self._write_counts: dict[str, int] = {}
@@ -185,14 +186,17 @@ class Agent:
         view = self._require_cache()
         local = _ids(local_blocks, self.spec.num_blocks, "local")
         remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
-        links, notify_only = self._links_for(remote)
-        parts = []
-        for link in links:
-            plan = link.plan(view, allow_conversion=self.config.allow_conversion)
-            req = plan.for_request(local, remote_ids)
-            note = encode_notification(request_id, self.engine_id, self.config.auth_key)
-            parts.append((link, Part(link.agent_name, req, link.view.geometry.kind, note)))
-        self._claim(request_id, remote_ids, links + notify_only)
+        for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
+            links, notify_only = self._links_for(remote)
+            try:
+                parts = self._read_parts(view, links, local, remote_ids, request_id)
+                self._claim(request_id, remote_ids, links + notify_only)
+                break
+            except PeerLostError:
+                for link in links + notify_only:
+                    self._peers.drop(link)
+                if attempt == 2:
+                    raise
         timeout = self.config.transfer_timeout if timeout is None else timeout
         on_success = None
         if notify_only:  # replicas we depend on but do not read from: tell them we are done too
@@ -207,6 +211,16 @@ class Agent:
         handle.add_done_callback(self._on_read_done)
         self._wake.set()
         return handle
+
+    def _read_parts(self, view: CacheView, links: list[PeerLink], local: np.ndarray,
+                    remote_ids: np.ndarray, request_id: str) -> list[tuple[PeerLink, Part]]:
+        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+        parts = []
+        for link in links:
+            plan = link.plan(view, allow_conversion=self.config.allow_conversion)
+            req = plan.for_request(local, remote_ids)
+            parts.append((link, Part(link.agent_name, req, link.view.geometry.kind, note)))
+        return parts
 
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
               timeout: float | None = None) -> TransferHandle:
@@ -328,7 +342,6 @@ class Agent:
             try:
                 reply = link.ask(claim, self.config.handshake_timeout)
             except PeerLostError:
-                self._peers.drop(link)
                 self._abort_links(request_id, granted)
                 raise
             if isinstance(reply, Refuse):

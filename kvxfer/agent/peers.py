@@ -62,7 +62,7 @@ class PeerLink:
         with self.lock:
             frame = self.session.request(message)
             reply = self.client.request(frame, timeout)
-            return self.session.response(reply)
+            return self.session.response(reply, message)
 
     def close(self) -> None:
         self.client.close()
@@ -72,12 +72,14 @@ class PeerDirectory:
     """Handshakes with peers on first use and keeps the links. Thread-safe."""
 
     def __init__(self, codec: Codec, local_info: Callable[[], PeerInfo], add_peer: Callable[[bytes], str],
-                 remove_peer: Callable[[str], None], timeout: float) -> None:
+                 remove_peer: Callable[[str], None], timeout: float,
+                 connect: Callable[[str], None] | None = None) -> None:
         self._codec = codec
         self._local_info = local_info
         self._add_peer = add_peer
         self._remove_peer = remove_peer
         self._timeout = timeout
+        self._connect = connect
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._lock = threading.Lock()
 
@@ -124,6 +126,8 @@ class PeerDirectory:
             info = session.receive_welcome(reply)
             spec, geometry = check_peer_info(info)
             agent_name = self._add_peer(info.backend_metadata)
+            if self._connect is not None:
+                self._connect(agent_name)  # open the transport now, not on the first transfer
         except BaseException:
             client.close()
             raise
