@@ -1,0 +1,302 @@
+"""Side-channel wire messages (layer: protocol, pure; imports msgspec, numpy and kvxfer's fixed modules only, never zmq, sockets or threads).
+
+Every message is a frozen, tagged ``msgspec.Struct`` in the one union ``Message``. The tag
+is the class name. Evolution rule: a later protocol revision may only *append* fields with
+defaults to a Struct (older peers ignore unknown fields) or add new Structs; anything else
+bumps ``PROTOCOL_VERSION``. Field constraints (``Meta``) are enforced by the typed decoder,
+so a structurally bad body is rejected before any session code sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+from kvxfer.errors import IncompatiblePeerError, LayoutError, ProtocolError
+from kvxfer.layout.spec import DTYPE_SIZES, CacheGeometry, KVSpec
+from kvxfer.types import MemKind
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "REJECT_CODES",
+    "REPLIES",
+    "Abort",
+    "Ack",
+    "Claim",
+    "Grant",
+    "Heartbeat",
+    "HeartbeatAck",
+    "Hello",
+    "Message",
+    "PackReady",
+    "PackRequest",
+    "PeerInfo",
+    "Refuse",
+    "Reject",
+    "SpecWire",
+    "Welcome",
+    "check_peer_info",
+    "compat_hash",
+    "make_peer_info",
+    "new_engine_id",
+    "spec_from_wire",
+    "spec_to_wire",
+]
+
+#: The one protocol version. Both sides must speak exactly this version.
+PROTOCOL_VERSION = 1
+
+#: Codes a ``Reject`` may carry. A peer may send a code not listed (a newer peer); treat it as "unknown".
+REJECT_CODES = frozenset({"version", "model", "auth", "malformed", "state", "unknown"})
+
+# Bounded scalar types: ids and free text are short; ints fit uint64 / int64 as on the wire.
+Id = Annotated[str, Meta(min_length=1, max_length=1024)]
+Text = Annotated[str, Meta(max_length=4096)]
+U64 = Annotated[int, Meta(ge=0)]  # msgpack ints stop at 2**64 - 1 by construction
+NonNeg = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Positive = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+
+
+class SpecWire(msgspec.Struct, frozen=True):
+    """Every ``KVSpec`` field, in wire types (enums as their string values)."""
+
+    num_layers: Positive
+    num_kv_heads: Positive
+    head_dim: Positive
+    block_size: Positive
+    num_blocks: Positive
+    dtype: Annotated[str, Meta(max_length=64)]
+    layout: Annotated[str, Meta(max_length=16)]
+    storage: Annotated[str, Meta(max_length=16)]
+    mla: bool
+    tp_rank: NonNeg
+    tp_size: Positive
+    model: Annotated[str, Meta(max_length=1024)] = ""
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True):
+    """Base of every wire message: frozen and tagged with its class name."""
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    """Everything a peer needs about one agent (one TP rank).
+
+    ``engine_id`` is unique per agent start (name + random nonce), so a restarted peer
+    at the same host:port announces a different one. ``bases`` mirrors
+    ``CacheGeometry.bases`` (``[num_layers][kv_count]`` addresses in the owner's process).
+    """
+
+    engine_id: Id
+    agent_name: Id
+    spec: SpecWire
+    bases: list[list[U64]]
+    device: NonNeg
+    mem_kind: Annotated[str, Meta(max_length=8)]
+    backend_metadata: bytes
+    listen_host: Annotated[str, Meta(max_length=255)] = ""
+    listen_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    lease_timeout: Seconds = 480.0
+
+
+class Hello(_Msg, frozen=True):
+    """Client -> server, the first message on a connection."""
+
+    info: PeerInfo
+
+
+class Welcome(_Msg, frozen=True):
+    """Server -> client, the answer to a valid ``Hello``."""
+
+    info: PeerInfo
+
+
+class Reject(_Msg, frozen=True):
+    """Server -> client: the last frame was refused; the server's state did not change."""
+
+    code: Annotated[str, Meta(max_length=32)]
+    detail: Text
+
+
+class Claim(_Msg, frozen=True):
+    """Consumer -> producer before reading: 'I am about to read these blocks of this request'."""
+
+    request_id: Id
+    block_ids: list[NonNeg]
+    engine_id: Id
+
+
+class Grant(_Msg, frozen=True):
+    """Producer -> consumer: the blocks are held for ``lease_remaining`` more seconds."""
+
+    request_id: Id
+    lease_remaining: Seconds
+    staging_offset: Annotated[int, Meta(ge=-1, le=(1 << 63) - 1)] = -1
+    staging_bytes: NonNeg = 0
+
+
+class Refuse(_Msg, frozen=True):
+    """Producer -> consumer: the claim or pack cannot be served (e.g. 'lease expired')."""
+
+    request_id: Id
+    reason: Text
+
+
+class Heartbeat(_Msg, frozen=True):
+    """Consumer -> producer: these requests are still wanted; extend their leases."""
+
+    request_ids: list[Id]
+    engine_id: Id
+
+
+class HeartbeatAck(_Msg, frozen=True):
+    """Producer -> consumer: which of the heartbeat's requests are still held."""
+
+    alive: list[Id]
+    gone: list[Id]
+
+
+class Abort(_Msg, frozen=True):
+    """Consumer -> producer: release the request's blocks; the consumer will not read them."""
+
+    request_id: Id
+    engine_id: Id
+
+
+class Ack(_Msg, frozen=True):
+    """Producer -> consumer: the message was applied."""
+
+
+class PackRequest(_Msg, frozen=True):
+    """Consumer -> producer (staged path): pack these blocks' heads [start, stop) into staging."""
+
+    request_id: Id
+    block_ids: list[NonNeg]
+    head_start: NonNeg
+    head_stop: NonNeg
+
+
+class PackReady(_Msg, frozen=True):
+    """Producer -> consumer (staged path): the packed bytes are at ``offset`` in staging."""
+
+    request_id: Id
+    offset: NonNeg
+    nbytes: NonNeg
+
+
+Message = Union[
+    Hello, Welcome, Reject, Claim, Grant, Refuse, Heartbeat, HeartbeatAck,
+    Abort, Ack, PackRequest, PackReady,
+]
+
+#: Messages a client may send once ready, and the replies each one may get.
+REPLIES: dict[type, tuple[type, ...]] = {
+    Claim: (Grant, Refuse),
+    Heartbeat: (HeartbeatAck,),
+    Abort: (Ack, Refuse),
+    PackRequest: (PackReady, Refuse),
+}
+
+
+def compat_hash(spec: KVSpec) -> str:
+    """Hex SHA-256 of what two peers must share to exchange KV blocks at all.
+
+    Covers the protocol version, model identity, dtype, head_dim, num_layers,
+    num_kv_heads and mla. Leaves out tp_rank/tp_size, layout, storage, block_size and
+    num_blocks: the layout translator bridges those.
+    """
+    fields = [
+        PROTOCOL_VERSION, spec.model, spec.dtype, int(spec.head_dim),
+        int(spec.num_layers), int(spec.num_kv_heads), bool(spec.mla),
+    ]
+    return hashlib.sha256(b"kvxfer-compat\0" + msgspec.msgpack.encode(fields)).hexdigest()
+
+
+def spec_to_wire(spec: KVSpec) -> SpecWire:
+    """The wire form of ``spec``."""
+    return SpecWire(
+        num_layers=int(spec.num_layers), num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_dim), block_size=int(spec.block_size),
+        num_blocks=int(spec.num_blocks), dtype=spec.dtype, layout=spec.layout.value,
+        storage=spec.storage.value, mla=bool(spec.mla), tp_rank=int(spec.tp_rank),
+        tp_size=int(spec.tp_size), model=spec.model,
+    )
+
+
+def spec_from_wire(wire: SpecWire) -> KVSpec:
+    """Rebuild and re-validate a peer's ``KVSpec``.
+
+    Raises:
+        IncompatiblePeerError: the peer uses a dtype this side does not know.
+        ProtocolError: any other inconsistent value (the LayoutError text names it).
+    """
+    if wire.dtype not in DTYPE_SIZES:
+        raise IncompatiblePeerError(
+            f"peer dtype: expected one of {sorted(DTYPE_SIZES)}; got {wire.dtype!r}"
+        )
+    try:
+        return KVSpec(**msgspec.structs.asdict(wire))
+    except LayoutError as exc:
+        raise ProtocolError(f"peer sent an invalid KV spec: {exc}") from None
+
+
+def check_peer_info(info: PeerInfo, compat: str | None = None) -> tuple[KVSpec, CacheGeometry]:
+    """Validate a peer's ``PeerInfo`` and return its spec and geometry.
+
+    Args:
+        info: as decoded from a ``Hello`` or ``Welcome``.
+        compat: when given, the spec's ``compat_hash`` must equal it (a peer whose
+            envelope hash and body disagree is lying or broken).
+
+    Raises:
+        IncompatiblePeerError: the spec is well formed but not compatible with ``compat``.
+        ProtocolError: any malformed value (names expected and actual).
+    """
+    spec = spec_from_wire(info.spec)
+    if compat is not None:
+        got = compat_hash(spec)
+        if got != compat:
+            raise IncompatiblePeerError(
+                f"peer spec compat hash: expected {compat[:16]}...; got {got[:16]}... "
+                f"(model {spec.model!r}, dtype {spec.dtype}, layers {spec.num_layers}, "
+                f"kv heads {spec.num_kv_heads}, head_dim {spec.head_dim}, mla {spec.mla})"
+            )
+    want = (spec.num_layers, spec.kv_count)
+    got_shape = (len(info.bases), *{len(row) for row in info.bases})
+    if len(info.bases) != want[0] or any(len(row) != want[1] for row in info.bases):
+        raise ProtocolError(f"peer bases shape: expected {want}; got {got_shape}")
+    if info.mem_kind not in (MemKind.DRAM.value, MemKind.VRAM.value):
+        raise ProtocolError(f"peer mem_kind: expected 'DRAM' or 'VRAM'; got {info.mem_kind!r}")
+    if not math.isfinite(info.lease_timeout) or info.lease_timeout <= 0:
+        raise ProtocolError(f"peer lease_timeout: expected > 0; got {info.lease_timeout!r}")
+    geometry = CacheGeometry(info.bases, device=info.device, kind=MemKind(info.mem_kind))
+    return spec, geometry
+
+
+def new_engine_id(name: str) -> str:
+    """A fresh engine id: ``name`` plus a random nonce, so every agent start is distinguishable."""
+    return f"{name}-{secrets.token_hex(8)}"
+
+
+def make_peer_info(
+    engine_id: str, agent_name: str, spec: KVSpec, geometry: CacheGeometry,
+    backend_metadata: bytes, listen_host: str = "", listen_port: int = 0,
+    lease_timeout: float = 480.0,
+) -> PeerInfo:
+    """Build this agent's ``PeerInfo`` from its spec and geometry.
+
+    Raises:
+        LayoutError: ``geometry`` does not fit ``spec``.
+    """
+    geometry.check(spec)
+    return PeerInfo(
+        engine_id=engine_id, agent_name=agent_name, spec=spec_to_wire(spec),
+        bases=geometry.bases.tolist(), device=int(geometry.device),
+        mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
+        listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
+    )

@@ -1,0 +1,290 @@
+"""Sans-IO handshake and request state machines (layer: protocol, pure; never imports zmq, sockets or threads).
+
+Bytes in, bytes or messages out; the caller moves the bytes (``kvxfer.transport.zmq`` in
+production, an in-memory link in tests). All transitions sit in the two tables below.
+
+Client::   idle --start()--> hello_sent --Welcome--> ready
+                                        --Reject/garbage--> failed
+           ready --Reject('state') in response()--> idle   (the server forgot us: restarted)
+           any  --start()--> hello_sent                     (re-handshake)
+
+Server::   awaiting_hello --valid Hello--> ready --valid Hello--> ready (re-handshake)
+           Every invalid frame is answered with a Reject and leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from kvxfer.errors import (
+    AuthenticationError,
+    ConfigError,
+    IncompatiblePeerError,
+    KvxferError,
+    LayoutError,
+    PeerLostError,
+    ProtocolError,
+)
+from kvxfer.protocol.codec import HEADER, Codec
+from kvxfer.protocol.messages import (
+    PROTOCOL_VERSION,
+    REPLIES,
+    Abort,
+    Claim,
+    Heartbeat,
+    Hello,
+    Message,
+    PackRequest,
+    PeerInfo,
+    Reject,
+    Welcome,
+    check_peer_info,
+    spec_from_wire,
+    compat_hash,
+)
+
+__all__ = ["ClientSession", "ServerSession", "reject_error"]
+
+log = logging.getLogger(__name__)
+
+#: Client: which call is legal in which state (anything else raises ProtocolError).
+_CLIENT_CALLS: dict[str, frozenset[str]] = {
+    "start": frozenset({"idle", "hello_sent", "ready", "failed"}),
+    "receive_welcome": frozenset({"hello_sent"}),
+    "request": frozenset({"ready"}),
+    "response": frozenset({"ready"}),
+}
+
+#: Server: (state, message type) -> handler name. Anything else is Reject('state').
+_SERVER_TABLE: dict[tuple[str, type], str] = {
+    ("awaiting_hello", Hello): "_on_hello",
+    ("ready", Hello): "_on_hello",
+    **{("ready", kind): "_on_request" for kind in REPLIES},
+}
+
+_REPLY_TYPES = tuple({t for replies in REPLIES.values() for t in replies})
+
+
+def reject_error(reject: Reject, context: str) -> ProtocolError:
+    """The typed error a peer's ``Reject`` stands for (not raised here)."""
+    text = f"{context}: peer rejected it ({reject.code}): {reject.detail}"
+    if reject.code in ("version", "model"):
+        return IncompatiblePeerError(text)
+    if reject.code == "auth":
+        return AuthenticationError(text)
+    return ProtocolError(text)
+
+
+def _check_local(codec: Codec, local: PeerInfo) -> None:
+    try:
+        got = compat_hash(spec_from_wire(local.spec))
+    except (ProtocolError, LayoutError) as exc:
+        raise ConfigError(f"local PeerInfo has an invalid spec: {exc}") from None
+    if got != codec.compat:
+        raise ConfigError(f"local spec compat hash: expected {codec.compat[:16]}... (codec); got {got[:16]}...")
+
+
+class ClientSession:
+    """Client side of one connection to one remote agent.
+
+    Attributes:
+        state: ``"idle" | "hello_sent" | "ready" | "failed"``.
+        peer: the server's ``PeerInfo`` from the latest Welcome (kept across a restart).
+        peer_spec, peer_geometry: the validated ``KVSpec`` / ``CacheGeometry`` of ``peer``.
+        restarted: the latest Welcome came from another ``engine_id`` than the one before:
+            the peer restarted; every plan or handle built for the old one is stale.
+    """
+
+    def __init__(self, codec: Codec, local: PeerInfo):
+        _check_local(codec, local)
+        self.codec = codec
+        self.local = local
+        self.state = "idle"
+        self.peer: PeerInfo | None = None
+        self.peer_spec = None
+        self.peer_geometry = None
+        self.restarted = False
+
+    def _require(self, call: str) -> None:
+        if self.state not in _CLIENT_CALLS[call]:
+            allowed = sorted(_CLIENT_CALLS[call])
+            raise ProtocolError(f"{call}(): expected state in {allowed}; got {self.state!r}")
+
+    def start(self) -> bytes:
+        """Begin (or restart) the handshake; returns the Hello frame to send."""
+        self._require("start")
+        frame = self.codec.encode(Hello(self.local))
+        self.state = "hello_sent"
+        return frame
+
+    def receive_welcome(self, frame: bytes) -> PeerInfo:
+        """Take the server's answer to Hello; on success the session is ``ready``.
+
+        Raises:
+            ProtocolError: wrong state (state unchanged), malformed frame or not a Welcome.
+            IncompatiblePeerError: the server rejected us or serves an incompatible cache.
+            AuthenticationError: the frame or the server's verdict failed authentication.
+            Any error but the wrong-state one leaves the session ``failed``.
+        """
+        self._require("receive_welcome")
+        try:
+            msg = self.codec.decode(frame)
+            if isinstance(msg, Reject):
+                raise reject_error(msg, "Hello")
+            if not isinstance(msg, Welcome):
+                raise ProtocolError(f"handshake reply: expected Welcome; got {type(msg).__name__}")
+            spec, geometry = check_peer_info(msg.info, self.codec.compat)
+        except KvxferError:
+            self.state = "failed"
+            raise
+        self.restarted = self.peer is not None and self.peer.engine_id != msg.info.engine_id
+        self.peer, self.peer_spec, self.peer_geometry = msg.info, spec, geometry
+        self.state = "ready"
+        return msg.info
+
+    def request(self, msg: Message) -> bytes:
+        """Frame a request (Claim, Heartbeat, Abort or PackRequest); only when ready.
+
+        Raises:
+            ProtocolError: not ready, or ``msg`` is not a request type.
+        """
+        self._require("request")
+        if type(msg) not in REPLIES:
+            names = sorted(t.__name__ for t in REPLIES)
+            raise ProtocolError(f"request(): expected one of {names}; got {type(msg).__name__}")
+        return self.codec.encode(msg)
+
+    def response(self, frame: bytes, request: Message | None = None) -> Message:
+        """Decode the reply to a request; with ``request``, also check it answers that request.
+
+        Raises:
+            PeerLostError: the server no longer knows this session (restarted or evicted us);
+                the state drops to ``idle``: call ``start()`` and check ``restarted``.
+            ProtocolError (or a subclass): not ready, garbage, a Reject, or a reply of the wrong
+                type or request id; the state is unchanged.
+        """
+        self._require("response")
+        msg = self.codec.decode(frame)
+        if isinstance(msg, Reject):
+            if msg.code == "state":
+                self.state = "idle"
+                peer = self.peer.engine_id if self.peer else "?"
+                raise PeerLostError(
+                    f"peer {peer} no longer knows this session ({msg.detail}); it restarted or "
+                    "dropped us: handshake again"
+                )
+            raise reject_error(msg, "request")
+        allowed = REPLIES.get(type(request), _REPLY_TYPES) if request is not None else _REPLY_TYPES
+        if not isinstance(msg, allowed):
+            names = sorted(t.__name__ for t in allowed)
+            raise ProtocolError(f"reply: expected one of {names}; got {type(msg).__name__}")
+        want_id = getattr(request, "request_id", None)
+        got_id = getattr(msg, "request_id", want_id)
+        if want_id is not None and got_id != want_id:
+            raise ProtocolError(f"reply request_id: expected {want_id!r}; got {got_id!r}")
+        return msg
+
+
+class ServerSession:
+    """Server side for ONE client identity (one connection).
+
+    Args:
+        codec: shared with the other sessions of this listener.
+        local: this agent's ``PeerInfo``, sent in Welcome.
+        on_request: called with each valid request of a handshaken client (Claim,
+            Heartbeat, Abort, PackRequest) and returns the reply message. A
+            ``KvxferError`` it raises becomes a Reject; any other exception is logged
+            and becomes Reject('unknown').
+
+    Attributes:
+        state: ``"awaiting_hello" | "ready"``.
+        peer: the client's ``PeerInfo`` once handshaken; ``peer_spec``/``peer_geometry`` validated.
+        restarted: the latest Hello replaced a peer with another ``engine_id``.
+        rejected: how many frames were answered with a Reject (for metrics and tests).
+    """
+
+    def __init__(self, codec: Codec, local: PeerInfo, on_request: Callable[[Message], Message]):
+        _check_local(codec, local)
+        self.codec = codec
+        self.local = local
+        self.on_request = on_request
+        self.state = "awaiting_hello"
+        self.peer: PeerInfo | None = None
+        self.peer_spec = None
+        self.peer_geometry = None
+        self.restarted = False
+        self.rejected = 0
+
+    def receive(self, frame: bytes) -> bytes:
+        """Handle one frame from the client; returns the reply frame. Never raises for peer input."""
+        try:
+            msg = self.codec.decode(frame)
+        except AuthenticationError as exc:
+            return self._reject("auth", exc)
+        except IncompatiblePeerError as exc:
+            return self._reject(self._incompatible_code(frame), exc)
+        except ProtocolError as exc:
+            return self._reject("malformed", exc)
+        handler = _SERVER_TABLE.get((self.state, type(msg)))
+        if handler is None:
+            return self._reject(
+                "state", f"in state {self.state!r} a client may not send {type(msg).__name__}"
+                + (" (expected Hello first)" if self.state == "awaiting_hello" else "")
+            )
+        return getattr(self, handler)(msg)
+
+    @staticmethod
+    def _incompatible_code(frame: bytes) -> str:
+        version = int.from_bytes(bytes(frame[4:6]), "big") if len(frame) >= HEADER.size else None
+        return "version" if version != PROTOCOL_VERSION else "model"
+
+    def _reject(self, code: str, why: object) -> bytes:
+        self.rejected += 1
+        detail = str(why)[:4000]
+        log.warning("side channel: rejected a frame (%s): %s", code, detail)
+        return self.codec.encode(Reject(code=code, detail=detail))
+
+    def _on_hello(self, msg: Hello) -> bytes:
+        try:
+            spec, geometry = check_peer_info(msg.info, self.codec.compat)
+        except IncompatiblePeerError as exc:
+            return self._reject("model", exc)
+        except ProtocolError as exc:
+            return self._reject("malformed", exc)
+        previous = self.peer
+        self.restarted = previous is not None and previous.engine_id != msg.info.engine_id
+        if self.restarted:
+            log.info("side channel: client %s replaced by %s (restart)",
+                     previous.engine_id, msg.info.engine_id)
+        self.peer, self.peer_spec, self.peer_geometry = msg.info, spec, geometry
+        self.state = "ready"
+        return self.codec.encode(Welcome(self.local))
+
+    def _on_request(self, msg: Message) -> bytes:
+        if isinstance(msg, (Claim, Heartbeat, Abort)) and msg.engine_id != self.peer.engine_id:
+            return self._reject(
+                "state", f"engine_id: expected {self.peer.engine_id!r} (handshaken); got {msg.engine_id!r}"
+            )
+        if isinstance(msg, PackRequest) and msg.head_stop <= msg.head_start:
+            return self._reject(
+                "malformed", f"PackRequest heads: expected head_start < head_stop; got "
+                f"[{msg.head_start}, {msg.head_stop})"
+            )
+        try:
+            reply = self.on_request(msg)
+        except (ProtocolError, LayoutError) as exc:
+            return self._reject("malformed", exc)
+        except KvxferError as exc:
+            return self._reject("unknown", exc)
+        except Exception as exc:  # a bug in the handler must not kill the listener
+            log.exception("side channel: request handler failed on %s", type(msg).__name__)
+            return self._reject("unknown", f"internal error: {type(exc).__name__}")
+        allowed = REPLIES[type(msg)]
+        if not isinstance(reply, allowed):
+            log.error("side channel: handler answered %s with %r", type(msg).__name__, reply)
+            return self._reject("unknown", f"internal error: handler returned {type(reply).__name__}")
+        try:
+            return self.codec.encode(reply)
+        except ProtocolError as exc:
+            return self._reject("unknown", exc)
