@@ -1,0 +1,187 @@
+"""Byte-level reference for checking layout plans over real numpy buffers (layer: layout, pure; numpy only, no nixl/zmq/torch).
+
+Tests (and the engine's integration tests) use these to execute a ``RequestPlan`` without any
+transport and to read back the *logical* KV of a cache:
+
+* ``Arena``: a uint8 buffer standing for the address range ``[base, base + size)``; use
+  ``Arena.wrap(array)`` to treat a real numpy array's own addresses that way.
+* ``place_cache``: a ``CacheView`` for a spec inside an arena (contiguous or with gaps).
+* ``fill_pattern``: random bytes, with a distinct 32-bit code heading every head vector.
+* ``logical_kv``: ``[layers, kv, tokens, heads_per_rank, vector_bytes]`` uint8 of given blocks.
+* ``execute``: run a request's descriptors with a reference copier (plus unpack / pack);
+  ``fill_staging`` gives the staging image alone, ``region_views`` the callable unpack takes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvxfer.errors import LayoutError
+from kvxfer.layout.plan import CacheView, TransferPlan
+from kvxfer.layout.request import RequestPlan
+from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
+from kvxfer.types import Direction
+
+__all__ = [
+    "Arena", "execute", "fill_pattern", "fill_staging", "logical_kv", "place_cache", "region_views",
+    "target_mask", "vector_addresses",
+]
+
+
+class Arena:
+    """A uint8 buffer standing for addresses ``[base, base + buf.size)``."""
+
+    def __init__(self, size: int, base: int = 0x10_0000) -> None:
+        self.buf = np.zeros(size, dtype=np.uint8)
+        self.base = base
+
+    @classmethod
+    def wrap(cls, array: np.ndarray) -> "Arena":
+        """An arena over an existing contiguous array at its real address (for real-memory tests)."""
+        a = cls.__new__(cls)
+        a.buf = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        a.base = int(a.buf.ctypes.data)
+        return a
+
+    def view(self, addr: int, length: int) -> np.ndarray:
+        """Writable uint8 view of ``[addr, addr + length)``; LayoutError when outside the arena."""
+        start = int(addr) - self.base
+        if start < 0 or start + int(length) > self.buf.size:
+            raise LayoutError(
+                f"range [{int(addr):#x}, +{int(length)}) is outside the arena "
+                f"[{self.base:#x}, +{self.buf.size})"
+            )
+        return self.buf[start:start + int(length)]
+
+
+def place_cache(spec: KVSpec, arena_base: int = 0x10_0000, gap: int = 0) -> tuple[CacheView, Arena]:
+    """Lay out ``spec``'s cache in a fresh arena; returns its view and the arena.
+
+    ``gap`` = 0 gives ``CacheGeometry.contiguous``. With a gap, every separately allocatable
+    tensor (a split region, a packed layer) sits after ``gap`` unused bytes, like tensors from
+    separate allocations; cross-layer caches are one tensor either way.
+    """
+    L, K, bb, n = spec.num_layers, spec.kv_count, spec.block_bytes, spec.num_blocks
+    if gap == 0 or spec.storage is Storage.CROSS_LAYER:
+        size = spec.cache_bytes
+        geo = CacheGeometry.contiguous(spec, arena_base)
+    else:
+        bases = np.zeros((L, K), dtype=np.uint64)
+        pos = arena_base + gap
+        for layer in range(L):
+            if spec.storage is Storage.PACKED:
+                bases[layer] = [pos + kv * bb for kv in range(K)]
+                pos += n * K * bb + gap
+            else:
+                for kv in range(K):
+                    bases[layer, kv] = pos
+                    pos += n * bb + gap
+        size = pos - arena_base
+        geo = CacheGeometry(bases)
+    return CacheView(spec, geo), Arena(size, arena_base)
+
+
+def vector_addresses(view: CacheView, layer: int, kv: int, block_ids: np.ndarray) -> np.ndarray:
+    """Addresses ``[tokens, heads_per_rank]`` (int64) of every head vector of the given blocks, token order."""
+    s = view.spec
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    t = np.arange(s.block_size, dtype=np.int64)[:, None]
+    h = np.arange(s.heads_per_rank, dtype=np.int64)[None, :]
+    off = t * s.heads_per_rank + h if s.layout is Layout.NHD else h * s.block_size + t
+    base = int(view.geometry.bases[layer, kv])
+    addr = base + blocks[:, None, None] * s.block_stride + off[None] * s.vector_bytes
+    return addr.reshape(-1, s.heads_per_rank)
+
+
+def fill_pattern(view: CacheView, arena: Arena, seed: int) -> None:
+    """Fill the arena with random bytes, then head every cache vector with a distinct 32-bit code.
+
+    Codes are ``seed * 2**24 + running index`` (little endian, the first ``min(4, vector_bytes)``
+    bytes), so two caches filled with different seeds share no vector head.
+    """
+    s = view.spec
+    rng = np.random.default_rng(seed)
+    arena.buf[:] = rng.integers(0, 256, arena.buf.size, dtype=np.uint8)
+    width = min(4, s.vector_bytes)
+    all_blocks = np.arange(s.num_blocks)
+    code = seed * (1 << 24)
+    for layer in range(s.num_layers):
+        for kv in range(s.kv_count):
+            addr = vector_addresses(view, layer, kv, all_blocks).reshape(-1) - arena.base
+            codes = (np.arange(addr.size, dtype=np.uint64) + np.uint64(code)).astype("<u4")
+            arena.buf[addr[:, None] + np.arange(width)] = codes.view(np.uint8).reshape(-1, 4)[:, :width]
+            code += addr.size
+
+
+def logical_kv(view: CacheView, arena: Arena, block_ids) -> np.ndarray:
+    """The logical KV of ``block_ids`` (token order): uint8 ``[layers, kv, tokens, heads_per_rank, vector_bytes]``.
+
+    Head axis ``i`` is global head ``view.spec.first_head + i``.
+    """
+    s = view.spec
+    vb = np.arange(s.vector_bytes, dtype=np.int64)
+    out = np.empty((s.num_layers, s.kv_count, len(block_ids) * s.block_size, s.heads_per_rank,
+                    s.vector_bytes), dtype=np.uint8)
+    for layer in range(s.num_layers):
+        for kv in range(s.kv_count):
+            addr = vector_addresses(view, layer, kv, np.asarray(block_ids)) - arena.base
+            out[layer, kv] = arena.buf[addr[..., None] + vb]
+    return out
+
+
+def target_mask(view: CacheView, arena: Arena, block_ids, heads: tuple[int, int]) -> np.ndarray:
+    """Bool mask over ``arena.buf``: the bytes of ``heads`` of ``block_ids`` (what a plan may write)."""
+    s = view.spec
+    mask = np.zeros(arena.buf.size, dtype=bool)
+    h = slice(heads[0] - s.first_head, heads[1] - s.first_head)
+    vb = np.arange(s.vector_bytes, dtype=np.int64)
+    for layer in range(s.num_layers):
+        for kv in range(s.kv_count):
+            addr = vector_addresses(view, layer, kv, np.asarray(block_ids))[:, h] - arena.base
+            mask[addr[..., None] + vb] = True
+    return mask
+
+
+def _copy_rows(dst: Arena, dst_rows: np.ndarray, src: Arena, src_rows: np.ndarray) -> None:
+    """Reference copier: one slice assignment per descriptor row (tests only)."""
+    if dst_rows.shape != src_rows.shape or not np.array_equal(dst_rows[:, 1], src_rows[:, 1]):
+        raise LayoutError("descriptor tables differ in shape or per-row length")
+    for (d, n, _), (s_, _, _) in zip(dst_rows.tolist(), src_rows.tolist()):
+        dst.view(d, n)[:] = src.view(s_, n)
+
+
+def execute(plan: TransferPlan, req: RequestPlan, local: Arena, remote: Arena,
+            direction: Direction = Direction.READ) -> None:
+    """Run ``req`` between two arenas: READ fills local from remote, WRITE the reverse.
+
+    Staged READ: remote -> staging -> ``unpack_numpy`` into local. Staged WRITE: ``pack_numpy``
+    from local -> staging -> remote (LayoutError unless ``plan.reversible``).
+    """
+    regions = region_views(plan.local, local)
+    if plan.mode == "direct":
+        if direction is Direction.READ:
+            _copy_rows(local, req.local, remote, req.remote)
+        else:
+            _copy_rows(remote, req.remote, local, req.local)
+        return
+    staging = Arena(max(req.staging_bytes, 1), base=0)
+    if direction is Direction.READ:
+        _copy_rows(staging, req.local, remote, req.remote)
+        req.unpack_numpy(staging.buf, regions)
+        return
+    if not plan.reversible:
+        raise LayoutError("staged WRITE not supported: this plan over-reads remote blocks")
+    req.pack_numpy(staging.buf, regions)
+    _copy_rows(remote, req.remote, staging, req.local)
+
+
+def fill_staging(req: RequestPlan, remote: Arena) -> np.ndarray:
+    """The staging image a staged READ's descriptors produce (reference copier); uint8 array."""
+    staging = Arena(max(req.staging_bytes, 1), base=0)
+    _copy_rows(staging, req.local, remote, req.remote)
+    return staging.buf[:req.staging_bytes]
+
+
+def region_views(view: CacheView, arena: Arena):
+    """``region_view(layer, kv)`` callable over an arena, as ``unpack_numpy`` takes it."""
+    return lambda layer, kv: arena.view(int(view.geometry.bases[layer, kv]), view.spec.region_bytes)

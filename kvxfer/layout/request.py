@@ -1,0 +1,194 @@
+"""Per-request descriptor arrays from block ids (layer: layout, pure; numpy only, no nixl/zmq/torch).
+
+Everything here is vectorised: work grows with the number of output descriptors, never with
+a Python loop per block. Loops run only over regions (``num_layers * kv``) when unpacking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvxfer.errors import BlockIdError, LayoutError
+
+__all__ = ["RequestPlan", "UnpackMap", "check_block_ids", "merge_rows"]
+
+_U64 = np.uint64
+
+
+def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> np.ndarray:
+    """Return ``ids`` as a 1-D int64 array after checking each is in ``[0, bound)`` and distinct.
+
+    Raises:
+        BlockIdError: not 1-D integers, an id out of range (names the id and the bound) or a
+            repeated id (two token ranges would share one block).
+    """
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        raise BlockIdError(f"{side} block ids must be a 1-D sequence; got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise BlockIdError(f"{side} block ids must be integers; got dtype {a.dtype}")
+    hi, lo = a.max(), a.min()
+    if lo < 0 or hi >= bound:
+        bad = lo if lo < 0 else hi
+        raise BlockIdError(f"{side} block id {int(bad)} is outside [0, {bound})")
+    a = a.astype(np.int64, copy=False)
+    if a.size > 1:
+        s = np.sort(a)
+        dup = s[1:] == s[:-1]
+        if dup.any():
+            raise BlockIdError(f"{side} block ids must be distinct; got {int(s[1:][dup][0])} twice")
+    return a
+
+
+def merge_rows(loc: np.ndarray, rem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Coalesce consecutive rows of two ``[N, 3]`` tables that continue each other on BOTH sides.
+
+    Row order is kept; returns the (possibly shorter) tables. One scratch array is reused
+    for both sides because fresh large temporaries cost page faults.
+    """
+    n = loc.shape[0]
+    if n <= 1:
+        return loc, rem
+    length = loc[:, 1]
+    scratch = np.empty(n - 1, dtype=_U64)
+    np.add(rem[:-1, 0], length[:-1], out=scratch)
+    cont = np.equal(rem[1:, 0], scratch)
+    np.add(loc[:-1, 0], length[:-1], out=scratch)
+    cont &= np.equal(loc[1:, 0], scratch)
+    if not cont.any():
+        return loc, rem
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    merged = np.add.reduceat(length, starts)
+    loc, rem = loc[starts], rem[starts]
+    loc[:, 1] = merged
+    rem[:, 1] = merged
+    return loc, rem
+
+
+@dataclass(frozen=True)
+class UnpackMap:
+    """Vector-unit map between a staging buffer and one side's regions, shared by every region.
+
+    Region ``r = layer * kv_count + kv`` pairs ``staging[src + region_offset[r]]`` with
+    ``region[dst]`` (``dst`` counts vectors from the region's block 0). ``region_bytes`` is
+    that side's ``spec.region_bytes``.
+    """
+
+    src: np.ndarray            # int64, staging vector index before the region's offset
+    dst: np.ndarray            # int64, vector index in the region (from block 0)
+    region_offset: np.ndarray  # int64 [num_layers * kv_count]
+    kv_count: int
+    vector_bytes: int
+    region_bytes: int
+
+    def index(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``[(layer, kv, staging_vec, region_vec)]`` per region."""
+        return [
+            (r // self.kv_count, r % self.kv_count, self.src + off, self.dst)
+            for r, off in enumerate(self.region_offset.tolist())
+        ]
+
+    def run(self, staging: np.ndarray, staging_bytes: int,
+            region_view: Callable[[int, int], np.ndarray], to_regions: bool) -> None:
+        """Copy staging -> regions (``to_regions``) or regions -> staging, vector by vector."""
+        vb = self.vector_bytes
+        st = _vectors(staging, vb, staging_bytes, "staging buffer")
+        for layer, kv, src, dst in self.index():
+            region = _vectors(region_view(layer, kv), vb, self.region_bytes, f"region view ({layer}, {kv})")
+            if to_regions:
+                region[dst] = st[src]
+            else:
+                st[src] = region[dst]
+
+
+def _vectors(buf: np.ndarray, vb: int, need_bytes: int, what: str) -> np.ndarray:
+    """View a 1-D contiguous uint8 buffer as an array of ``vb``-byte opaque vectors."""
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+        got = getattr(buf, "dtype", type(buf).__name__), getattr(buf, "shape", None)
+        raise LayoutError(f"{what} must be a 1-D uint8 numpy array; got {got}")
+    if buf.size < need_bytes:
+        raise LayoutError(f"{what} must hold at least {need_bytes} bytes; got {buf.size}")
+    if not buf.flags.c_contiguous:
+        raise LayoutError(f"{what} must be contiguous")
+    n = need_bytes // vb
+    return buf[: n * vb].view(np.dtype((np.void, vb)))
+
+
+@dataclass
+class RequestPlan:
+    """Descriptors for one request; ``local[i]`` and ``remote[i]`` move together.
+
+    ``local``/``remote``: ``[N, 3]`` uint64 ``(addr, len, device)`` with equal lengths row by
+    row. Staged plans: ``local`` addresses are byte OFFSETS into a staging buffer of
+    ``staging_bytes`` and ``unpack_numpy`` / ``unpack_index`` finish the move.
+    ``num_bytes``: bytes on the wire (sum of lengths; staged over-reads count).
+    The device column is the owning cache's device; for staged plans the engine sets the
+    local column to its staging buffer's (offsets are relative to that buffer).
+
+    Staged plans also describe the staging buffer from the remote side (``source_index``):
+    a producer holding the remote cache can pack the same staging image itself (on its GPU)
+    and move it in a few large operations instead of ``remote``'s per-block pieces.
+    """
+
+    local: np.ndarray
+    remote: np.ndarray
+    staging_bytes: int
+    num_bytes: int
+    build_maps: Callable[[str], UnpackMap] | None = field(default=None, repr=False)
+    _maps: dict = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def mode(self) -> str:
+        return "direct" if self.build_maps is None else "staged"
+
+    def _map(self, side: str) -> UnpackMap:
+        if self.build_maps is None:
+            raise LayoutError("unpack/pack apply to staged plans only; this request is direct")
+        if side not in self._maps:
+            self._maps[side] = self.build_maps(side)
+        return self._maps[side]
+
+    @property
+    def unpack_map(self) -> UnpackMap:
+        """Compact form of ``unpack_index`` (built on first use; the descriptors do not need it)."""
+        return self._map("local")
+
+    def unpack_index(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``[(layer, kv, src_vec, dst_vec)]``: ``staging_vectors[src_vec] -> region_vectors[dst_vec]``.
+
+        Indices are int64 in units of one head vector (``spec.vector_bytes``) of the LOCAL
+        cache; the same map ``unpack_numpy`` runs. ``dst_vec`` counts from the region's block 0.
+        """
+        return self._map("local").index()
+
+    def unpack_numpy(self, staging: np.ndarray,
+                     region_view: Callable[[int, int], np.ndarray]) -> None:
+        """Scatter a filled staging buffer into the local cache; writes only the target vectors.
+
+        ``region_view(layer, kv)`` returns a writable 1-D uint8 array of at least
+        ``spec.region_bytes`` starting at block 0 of that local region.
+        """
+        self._map("local").run(staging, self.staging_bytes, region_view, to_regions=True)
+
+    def pack_numpy(self, staging: np.ndarray,
+                   region_view: Callable[[int, int], np.ndarray]) -> None:
+        """The inverse of ``unpack_numpy`` (staged WRITE): gather local vectors into staging."""
+        self._map("local").run(staging, self.staging_bytes, region_view, to_regions=False)
+
+    def source_index(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``[(layer, kv, stage_vec, remote_vec)]``: ``remote_region_vectors[remote_vec] -> staging_vectors[stage_vec]``.
+
+        The REMOTE side's view of the same staging image the descriptors fill (including any
+        over-read vectors), in vector units of the remote cache from the region's block 0.
+        """
+        return self._map("remote").index()
+
+    def pack_source_numpy(self, staging: np.ndarray,
+                          remote_region_view: Callable[[int, int], np.ndarray]) -> None:
+        """Fill ``staging`` from the remote cache's regions (run where that cache lives)."""
+        self._map("remote").run(staging, self.staging_bytes, remote_region_view, to_regions=False)

@@ -1,0 +1,87 @@
+"""Tensor-parallel head mapping between two instances (layer: layout, pure; numpy/stdlib only, no nixl/zmq/torch).
+
+Every rank of an instance stores a contiguous range of the model's KV heads
+(``KVSpec.first_head`` .. ``+ heads_per_rank``). A consumer rank *depends on* a producer
+rank when the producer stores at least one head the consumer needs. The rules here:
+
+* ``peer_ranks``: the producer ranks a consumer READS from: for every distinct head range
+  of the producer instance that overlaps the consumer's heads, exactly one rank (the
+  replica ``consumer.tp_rank % replication``, so consumers spread their reads).
+* ``notify_ranks``: every producer rank the consumer depends on (a superset of
+  ``peer_ranks``: it adds the replicas that hold the same heads but are not read).
+  A consumer sends one completion notice per request to each of them.
+* ``expected_notifications``: how many consumer ranks depend on a producer rank, i.e.
+  how many notices it waits for before freeing a request's blocks. It is consistent with
+  ``notify_ranks`` by construction (both use ``head_range``).
+"""
+
+from __future__ import annotations
+
+from kvxfer.errors import LayoutError
+from kvxfer.layout.spec import KVSpec
+
+__all__ = ["expected_notifications", "head_range", "notify_ranks", "peer_ranks"]
+
+
+def head_range(num_kv_heads: int, tp_size: int, tp_rank: int, mla: bool = False) -> tuple[int, int]:
+    """Global head range ``[start, stop)`` that rank ``tp_rank`` of a ``tp_size`` instance stores.
+
+    MLA caches hold one latent "head" replicated on every rank. With ``tp_size > num_kv_heads``
+    each head is replicated on ``tp_size // num_kv_heads`` consecutive ranks.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"tp_rank must be in [0, {tp_size}); got {tp_rank}")
+    if mla:
+        return (0, 1)
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise LayoutError(f"num_kv_heads ({num_kv_heads}) and tp_size ({tp_size}) must divide one another")
+    per_rank = max(1, num_kv_heads // tp_size)
+    replication = max(1, tp_size // num_kv_heads)
+    start = (tp_rank // replication) * per_rank
+    return (start, start + per_rank)
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def _check_tp(value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LayoutError(f"remote tp_size must be a positive integer; got {value!r}")
+
+
+def notify_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
+    """Every remote rank holding a head ``local`` needs (ascending); ``local`` notifies each once per request."""
+    _check_tp(remote_tp_size)
+    need = head_range(local.num_kv_heads, local.tp_size, local.tp_rank, local.mla)
+    return [
+        r for r in range(remote_tp_size)
+        if _overlaps(need, head_range(local.num_kv_heads, remote_tp_size, r, local.mla))
+    ]
+
+
+def peer_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
+    """Remote ranks ``local`` reads from (ascending): one replica per distinct overlapping head range.
+
+    The heads those ranks hold are disjoint and together cover all heads ``local`` needs.
+    Among replicas of one head range, the one at position ``local.tp_rank % replication``
+    is chosen, so the consumers sharing a head range spread over its replicas.
+    """
+    deps = notify_ranks(local, remote_tp_size)
+    by_range: dict[tuple[int, int], list[int]] = {}
+    for r in deps:
+        by_range.setdefault(head_range(local.num_kv_heads, remote_tp_size, r, local.mla), []).append(r)
+    return sorted(reps[local.tp_rank % len(reps)] for reps in by_range.values())
+
+
+def expected_notifications(producer: KVSpec, consumer_tp_size: int) -> int:
+    """How many consumer ranks depend on ``producer`` (each sends it one notice per request).
+
+    Equals ``sum(producer.tp_rank in notify_ranks(c, producer.tp_size) for c in consumer ranks)``.
+    """
+    _check_tp(consumer_tp_size)
+    have = head_range(producer.num_kv_heads, producer.tp_size, producer.tp_rank, producer.mla)
+    return sum(
+        _overlaps(have, head_range(producer.num_kv_heads, consumer_tp_size, c, producer.mla))
+        for c in range(consumer_tp_size)
+    )
