@@ -45,7 +45,8 @@ class AgentConfig:
         handshake_timeout: deadline for one side-channel round trip.
         transfer_timeout: default deadline for one transfer (``None``: wait for ever).
         staging_bytes: host staging buffer registered for staged (converting) transfers.
-        progress_interval: seconds the progress thread sleeps while transfers are in flight.
+        progress_interval: seconds the progress thread sleeps between polls while transfers are
+            in flight; 0 (default) spins, since UCX moves shared-memory data inside the polls.
     """
 
     side_channel_host: str | None = None
@@ -58,7 +59,7 @@ class AgentConfig:
     handshake_timeout: float = 10.0
     transfer_timeout: float | None = 120.0
     staging_bytes: int = 64 << 20
-    progress_interval: float = 50e-6
+    progress_interval: float = 0.0
     max_message_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -119,6 +120,7 @@ class Agent:
         staging, base = None, 0
         if self.config.staging_bytes and geometry.kind is MemKind.DRAM:
             self._staging_buf = np.empty(self.config.staging_bytes, dtype=np.uint8)
+            self._staging_buf.fill(0)  # fault the pages in now, not during the first transfer
             region = self._registry.register_buffer(self._staging_buf)
             staging, base = StagingAllocator(self.config.staging_bytes), region.addr
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
@@ -418,7 +420,11 @@ class Agent:
             except Exception:  # the loop must survive anything a peer can cause
                 log.exception("kvxfer progress loop")
             if busy:
-                self._wake.wait(self.config.progress_interval)
+                # UCX moves shared-memory data inside our polls: spin while transfers are in flight
+                if self.config.progress_interval:
+                    self._wake.wait(self.config.progress_interval)
+                else:
+                    time.sleep(0)
             else:
                 self._wake.wait(0.001 if len(self._leases) else 0.005)
             self._wake.clear()

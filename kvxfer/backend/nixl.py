@@ -1,0 +1,506 @@
+"""NIXL backend (layer: backend.nixl; the only kvxfer module that imports nixl; imports backend.base, types, errors, numpy).
+
+``NixlBackend`` is one NIXL agent behind the ``Backend`` protocol. Every call into NIXL goes
+through ``_Boundary.call``: it turns NIXL's exceptions, ``"ERR"`` strings and ``None`` returns
+into kvxfer errors (the original chained), so nothing above this module sees a NIXL type.
+
+NIXL is imported lazily (on the first ``NixlBackend``), so ``import kvxfer`` works without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvxfer.backend.base import XferId
+from kvxfer.errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    KvxferError,
+    PeerLostError,
+    RegistrationError,
+    TransferFailedError,
+)
+from kvxfer.types import Direction, MemKind, Region, XferState
+
+__all__ = ["NixlBackend", "load_nixl_api"]
+
+#: Where the NIXL Python API lives, most common first: the ``nixl`` meta package, the CUDA 13
+#: and CUDA 12 wheels alone, and RIXL (ROCm). The first one that imports wins.
+_NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api", "nixl_rocm._api", "nixl_rocm")
+
+#: Backends whose plugin takes a worker-thread count, and the init key it reads.
+_THREAD_PARAM = {"UCX": "num_threads", "OBJ": "num_threads", "LIBFABRIC": "num_threads",
+                 "GDS_MT": "thread_count", "UCCL": "num_cpus"}
+
+_LOCAL_AGENT = "NIXL_INIT_AGENT"
+_STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
+
+
+def load_nixl_api() -> Any:
+    """Import and return NIXL's Python API module (``nixl_agent``, ``nixl_agent_config``).
+
+    Raises:
+        BackendError: when none of ``_NIXL_MODULES`` imports (each attempt is named).
+    """
+    failures = []
+    for name in _NIXL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            failures.append(f"{name}: {exc}")
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+        failures.append(f"{name}: has no nixl_agent")
+    raise BackendError("NIXL is not importable; tried " + "; ".join(failures))
+
+
+class _Boundary:
+    """The one place NIXL failures become kvxfer errors.
+
+    ``call(what, fn, ...)`` runs ``fn``; on an exception it raises ``error`` (or a more precise
+    class chosen from the NIXL exception's name: a remote disconnect is PeerLostError, and with
+    ``unregistered=True`` NOT_FOUND is RegistrationError) with the original chained; a ``None``
+    result is a failure too (NIXL's Python layer logs and returns ``None`` for bad input) unless
+    ``allow_none``, and so is the string ``"ERR"``.
+    """
+
+    #: NIXL exception class name (the stable part of ~12 unrelated classes) -> kvxfer error.
+    _BY_NAME: dict[str, type[KvxferError]] = {
+        "nixlRemoteDisconnectError": PeerLostError,
+        "nixlCancelledError": TransferFailedError,
+    }
+
+    def __init__(self, agent_name: str) -> None:
+        self._agent_name = agent_name
+
+    def error(self, what: str, exc: BaseException | None,
+              default: type[KvxferError], unregistered: bool = False) -> KvxferError:
+        cls = default
+        detail = "returned no result"
+        if exc is not None:
+            cls = self._BY_NAME.get(type(exc).__name__, default)
+            if unregistered and type(exc).__name__ == "nixlNotFoundError":
+                # Peers are checked before the call, so NOT_FOUND here means no registration
+                # covers some descriptor (NIXL: "no backend had the required registrations").
+                cls = RegistrationError
+            detail = f"{type(exc).__name__}: {exc}"
+        err = cls(f"NIXL agent {self._agent_name!r}: {what} failed ({detail})")
+        err.__cause__ = exc
+        return err
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any,
+             error: type[KvxferError] = BackendError, allow_none: bool = False,
+             unregistered: bool = False) -> Any:
+        try:
+            result = fn(*args)
+        except KvxferError:
+            raise
+        except Exception as exc:  # NIXL raises ~12 unrelated classes, plus builtins
+            raise self.error(what, exc, error, unregistered) from exc
+        if (result is None and not allow_none) or (isinstance(result, str) and result == "ERR"):
+            raise self.error(what, None, error)
+        return result
+
+
+def as_enum(cls: type, value: Any, what: str) -> Any:
+    """``cls(value)``, or ConfigError naming the allowed values (for MemKind and Direction)."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(f"{what} must be one of {[m.value for m in cls]}; got {value!r}") from None
+
+
+def _descriptor_table(table: np.ndarray, side: str) -> np.ndarray:
+    """Check an ``[N, 3]`` descriptor array (N >= 1) and return it as contiguous uint64."""
+    arr = np.asarray(table)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise ConfigError(f"{side} descriptors must have shape [N, 3]; got {arr.shape}")
+    if arr.shape[0] == 0:
+        raise ConfigError(f"{side} descriptors must hold at least 1 row; got 0")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def check_pair(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a local/remote descriptor pair: same row count, same length row by row.
+
+    Returns both as contiguous uint64 ``[N, 3]`` arrays. Raises ConfigError naming the
+    first mismatch. (Shared with FakeBackend so both backends refuse the same input.)
+    """
+    local = _descriptor_table(local, "local")
+    remote = _descriptor_table(remote, "remote")
+    if local.shape[0] != remote.shape[0]:
+        raise ConfigError(
+            f"local and remote descriptor counts must match; got {local.shape[0]} and {remote.shape[0]}")
+    bad = np.flatnonzero(local[:, 1] != remote[:, 1])
+    if bad.size:
+        i = int(bad[0])
+        raise ConfigError(f"descriptor {i}: local length {int(local[i, 1])} != remote length "
+                          f"{int(remote[i, 1])} (expected equal)")
+    return local, remote
+
+
+def check_indices(idx: np.ndarray, count: int, side: str) -> np.ndarray:
+    """Check 1-D integer indices into a prepared list of ``count`` rows; returns them as int32."""
+    arr = np.asarray(idx)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ConfigError(f"{side} indices must be a non-empty 1-D array; got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ConfigError(f"{side} indices must be integers; got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= count:
+        raise ConfigError(f"{side} indices must lie in [0, {count}); got range [{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)  # NIXL documents int32; 3% faster than int64
+
+
+class NixlBackend:
+    """One NIXL agent implementing ``kvxfer.backend.base.Backend``, plus prepared lists.
+
+    Args:
+        name: agent name, unique among the agents that will talk to each other.
+        backends: NIXL plugins to instantiate (``("UCX",)`` by default).
+        num_threads: worker threads for plugins that take them (0: the plugin's default).
+
+    Raises:
+        ConfigError: a backend name this NIXL build does not offer (the message lists those it does),
+            or ``num_threads < 0``.
+        BackendError: NIXL is missing or the agent/plugin could not be created.
+
+    Thread safety: every method takes one lock, so the engine may post from one thread and
+    poll from another. Ids (transfers, prepared lists) are ints unique for this agent's lifetime.
+    """
+
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"agent name must be a non-empty str; got {name!r}")
+        if isinstance(backends, str):
+            backends = (backends,)
+        backends = tuple(backends)
+        if not backends:
+            raise ConfigError("backends must name at least one NIXL plugin; got none")
+        if not isinstance(num_threads, int) or num_threads < 0:
+            raise ConfigError(f"num_threads must be an int >= 0; got {num_threads!r}")
+        self.name = name
+        self.backends = backends
+        self._lock = threading.RLock()
+        self._nx = _Boundary(name)
+        api = load_nixl_api()
+        # Plugins are created one by one below, after checking their names against the build.
+        config = self._nx.call("agent config",
+                               lambda: api.nixl_agent_config(backends=[], num_threads=num_threads))
+        self._agent = self._nx.call(f"creating agent {name!r}", api.nixl_agent, name, config)
+        available = list(self._nx.call("get_plugin_list", self._agent.get_plugin_list))
+        unknown = [b for b in backends if b not in available]
+        if unknown:
+            raise ConfigError(f"unknown NIXL backend(s) {unknown}; this NIXL build offers {available}")
+        for plugin in backends:
+            init = {}
+            if num_threads and plugin in _THREAD_PARAM:
+                init[_THREAD_PARAM[plugin]] = str(num_threads)
+            self._nx.call(f"creating backend {plugin}", self._agent.create_backend, plugin, init,
+                          allow_none=True)
+        self._ids = itertools.count(1)
+        self._xfers: dict[int, Any] = {}      # id -> nixl_xfer_handle
+        self._done: dict[int, XferState] = {}  # id -> terminal state already seen
+        self._failures: dict[int, KvxferError] = {}  # id -> why it FAILED
+        self._preps: dict[int, tuple[str | None, int, Any]] = {}  # id -> (peer, rows, handle)
+        self._regs: dict[int, list[Any]] = {}  # id -> nixl reg lists
+        self._peers: set[str] = set()
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"NixlBackend {self.name!r} is closed")
+
+    def __enter__(self) -> "NixlBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release transfers and prepared lists, deregister memory, forget peers. Idempotent.
+
+        Cleanup goes on past failures; the first one (a kvxfer error) is raised at the end.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            first: KvxferError | None = None
+            steps: list[tuple[str, Callable[[], Any]]] = []
+            steps += [(f"releasing transfer {i}", h.release) for i, h in self._xfers.items()]
+            steps += [(f"releasing prepared list {i}", p[2].release) for i, p in self._preps.items()]
+            for i, lists in self._regs.items():
+                steps += [(f"deregistering {i}", (lambda r=r: self._agent.deregister_memory(r)))
+                          for r in lists]
+            steps += [(f"removing peer {p!r}", (lambda p=p: self._agent.remove_remote_agent(p)))
+                      for p in sorted(self._peers)]
+            for what, step in steps:
+                try:
+                    self._nx.call(what, step, allow_none=True)
+                except KvxferError as exc:
+                    first = first or exc
+            self._xfers.clear()
+            self._preps.clear()
+            self._regs.clear()
+            self._peers.clear()
+            self._agent = None
+            if first is not None:
+                raise first
+
+    # ---- peers ---------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (includes registered memory: fetch it after ``register``)."""
+        with self._lock:
+            self._check_open()
+            return bytes(self._nx.call("get_agent_metadata", self._agent.get_agent_metadata))
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name. For a restarted peer (same name, new
+        metadata) call ``remove_peer`` first, so no stale connection or prepared list survives."""
+        if not isinstance(metadata, (bytes, bytearray, memoryview)) or not metadata:
+            raise ConfigError(f"peer metadata must be non-empty bytes; got {type(metadata).__name__}")
+        with self._lock:
+            self._check_open()
+            name = self._nx.call("add_remote_agent", self._agent.add_remote_agent, bytes(metadata))
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers.add(name)
+            return name
+
+    def connect(self, peer: str) -> None:
+        """Optionally open the connection to ``peer`` now, so the first transfer is not slow."""
+        with self._lock:
+            self._check_peer(peer)
+            self._nx.call(f"make_connection to {peer!r}", self._agent.make_connection, peer,
+                          allow_none=True)
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget ``peer`` and release the prepared lists made for it. Unknown names are ignored."""
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                return
+            self._peers.discard(peer)
+            for pid in [i for i, p in self._preps.items() if p[0] == peer]:
+                _, _, handle = self._preps.pop(pid)
+                self._nx.call(f"releasing prepared list {pid}", handle.release, allow_none=True)
+            self._nx.call(f"remove_remote_agent {peer!r}", self._agent.remove_remote_agent, peer,
+                          allow_none=True)
+
+    def peers(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._peers)
+
+    def _check_peer(self, peer: str) -> None:
+        self._check_open()
+        if peer not in self._peers:
+            raise ConfigError(f"unknown peer {peer!r}; known peers: {sorted(self._peers)}")
+
+    # ---- memory --------------------------------------------------------------------
+    def register(self, regions: Sequence[Region]) -> int:
+        """Register ``regions`` (grouped by memory kind); returns a handle for ``deregister``."""
+        regions = list(regions)
+        if not regions:
+            raise ConfigError("register needs at least one Region; got none")
+        for r in regions:
+            if not isinstance(r, Region) or r.length <= 0 or r.addr <= 0:
+                raise ConfigError(f"expected Regions with addr > 0 and length > 0; got {r!r}")
+        with self._lock:
+            self._check_open()
+            lists = []
+            try:
+                for kind in (MemKind.DRAM, MemKind.VRAM):
+                    rows = [(r.addr, r.length, r.device, "") for r in regions
+                            if as_enum(MemKind, r.kind, "Region.kind") is kind]
+                    if rows:
+                        lists.append(self._nx.call(f"registering {len(rows)} {kind.value} region(s)",
+                                                   self._agent.register_memory, rows, kind.value,
+                                                   error=RegistrationError))
+            except KvxferError:
+                for reg in lists:
+                    self._nx.call("rollback deregister", self._agent.deregister_memory, reg,
+                                  allow_none=True)
+                raise
+            hid = next(self._ids)
+            self._regs[hid] = lists
+            return hid
+
+    def deregister(self, handle: object) -> None:
+        """Deregister what ``register`` returned ``handle`` for. Raises ConfigError for an unknown handle."""
+        with self._lock:
+            self._check_open()
+            lists = self._regs.pop(handle, None) if isinstance(handle, int) else None
+            if lists is None:
+                raise ConfigError(f"unknown registration handle {handle!r}; live: {sorted(self._regs)}")
+            for reg in lists:
+                self._nx.call(f"deregistering {handle}", self._agent.deregister_memory, reg,
+                              allow_none=True)
+
+    # ---- transfers -----------------------------------------------------------------
+    def post(self, direction: Direction, local: np.ndarray, local_kind: MemKind,
+             remote: np.ndarray, remote_kind: MemKind, peer: str, notification: bytes) -> XferId:
+        """Build descriptor lists for this request and start it (``initialize_xfer`` + ``transfer``).
+
+        Raises:
+            ConfigError: malformed descriptors, unequal lengths, unknown peer.
+            RegistrationError: a descriptor outside the memory registered on its side.
+            PeerLostError: NIXL reports the peer disconnected.
+            TransferFailedError: NIXL refused or failed to start the transfer.
+        """
+        local, remote = check_pair(local, remote)
+        op = as_enum(Direction, direction, "direction").value
+        lkind = as_enum(MemKind, local_kind, "local_kind").value
+        rkind = as_enum(MemKind, remote_kind, "remote_kind").value
+        with self._lock:
+            self._check_peer(peer)
+            a = self._agent
+            ldl = self._nx.call("local descriptors", a.get_xfer_descs, local, lkind)
+            rdl = self._nx.call("remote descriptors", a.get_xfer_descs, remote, rkind)
+            handle = self._nx.call(f"initialize_xfer {op} with {peer!r}", a.initialize_xfer, op, ldl,
+                                   rdl, peer, bytes(notification), error=TransferFailedError,
+                                   unregistered=True)
+            return self._start(handle, op, peer)
+
+    def prepare(self, peer: str | None, table: np.ndarray, kind: MemKind) -> int:
+        """Prepare a descriptor list once (``prep_xfer_dlist``); returns an id for ``post_prepared``.
+
+        ``peer=None`` prepares local descriptors; a peer name prepares that peer's. Released by
+        ``unprepare``, ``remove_peer(peer)`` or ``close``.
+
+        Raises:
+            ConfigError: malformed table or unknown peer.
+            RegistrationError: a descriptor outside the registered memory of that side.
+        """
+        arr = _descriptor_table(table, "prepared")
+        kind = as_enum(MemKind, kind, "kind")
+        with self._lock:
+            if peer is None:
+                self._check_open()
+            else:
+                self._check_peer(peer)
+            where = _LOCAL_AGENT if peer is None else peer
+            handle = self._nx.call(f"prep_xfer_dlist for {where!r} ({arr.shape[0]} rows)",
+                                   self._agent.prep_xfer_dlist, where, arr, kind.value,
+                                   error=BackendError, unregistered=True)
+            pid = next(self._ids)
+            self._preps[pid] = (peer, int(arr.shape[0]), handle)
+            return pid
+
+    def unprepare(self, prep: int) -> None:
+        """Release a prepared list. Unknown (or already released) ids are ignored."""
+        with self._lock:
+            self._check_open()
+            entry = self._preps.pop(prep, None)
+            if entry is not None:
+                self._nx.call(f"releasing prepared list {prep}", entry[2].release, allow_none=True)
+
+    def post_prepared(self, direction: Direction, local_prep: int, local_idx: np.ndarray,
+                      remote_prep: int, remote_idx: np.ndarray, peer: str,
+                      notification: bytes) -> XferId:
+        """Start moving ``local[local_idx[i]] <-> remote[remote_idx[i]]`` (``make_prepped_xfer``).
+
+        Raises:
+            ConfigError: unknown prepared ids, a remote list not made for ``peer``, a local list that
+                is not local, indices out of range or of unequal counts.
+            PeerLostError / TransferFailedError: as for ``post``.
+        """
+        op = as_enum(Direction, direction, "direction").value
+        with self._lock:
+            self._check_peer(peer)
+            lp, rp = self._prep(local_prep), self._prep(remote_prep)
+            if lp[0] is not None:
+                raise ConfigError(f"local_prep {local_prep} was prepared for peer {lp[0]!r}; expected a local list")
+            if rp[0] != peer:
+                raise ConfigError(f"remote_prep {remote_prep} was prepared for {rp[0]!r}; expected {peer!r}")
+            li = check_indices(local_idx, lp[1], "local")
+            ri = check_indices(remote_idx, rp[1], "remote")
+            if li.size != ri.size:
+                raise ConfigError(f"local and remote index counts must match; got {li.size} and {ri.size}")
+            handle = self._nx.call(f"make_prepped_xfer {op} with {peer!r}", self._agent.make_prepped_xfer,
+                                   op, lp[2], li, rp[2], ri, bytes(notification),
+                                   error=TransferFailedError)
+            return self._start(handle, op, peer)
+
+    def _prep(self, pid: int) -> tuple[str | None, int, Any]:
+        entry = self._preps.get(pid)
+        if entry is None:
+            raise ConfigError(f"unknown prepared list {pid!r}; live: {sorted(self._preps)}")
+        return entry
+
+    def _start(self, handle: Any, op: str, peer: str) -> XferId:
+        try:
+            status = self._nx.call(f"posting {op} with {peer!r}", self._agent.transfer, handle,
+                                   error=TransferFailedError)
+        except KvxferError:
+            self._nx.call("releasing a failed transfer", handle.release, allow_none=True)
+            raise
+        xid = next(self._ids)
+        self._xfers[xid] = handle
+        if status == "DONE":
+            self._done[xid] = XferState.DONE
+        return xid
+
+    def state(self, xfer: XferId) -> XferState:
+        """Poll one transfer. NIXL's "ERR" (or an exception while polling) reads as FAILED;
+        the cause is kept and returned by ``failure(xfer)``."""
+        with self._lock:
+            self._check_open()
+            if xfer in self._done:
+                return self._done[xfer]
+            handle = self._xfers.get(xfer)
+            if handle is None:
+                raise ConfigError(f"unknown transfer id {xfer!r}")
+            try:
+                status = self._agent.check_xfer_state(handle)
+            except Exception as exc:
+                self._failures[xfer] = self._nx.error(f"polling transfer {xfer}", exc, TransferFailedError)
+                status = "ERR"
+            result = _STATES.get(status, XferState.FAILED)
+            if result is XferState.FAILED and xfer not in self._failures:
+                self._failures[xfer] = self._nx.error(f"transfer {xfer} (state {status!r})", None,
+                                                      TransferFailedError)
+            if result is not XferState.PENDING:
+                self._done[xfer] = result
+            return result
+
+    def failure(self, xfer: XferId) -> KvxferError | None:
+        """Why a FAILED transfer failed (a kvxfer error chaining NIXL's), or None."""
+        with self._lock:
+            return self._failures.get(xfer)
+
+    def release(self, xfer: XferId) -> None:
+        """Free a transfer's handle; NIXL cancels a pending one. Releasing twice is harmless."""
+        with self._lock:
+            self._check_open()
+            handle = self._xfers.pop(xfer, None)
+            self._done.pop(xfer, None)
+            self._failures.pop(xfer, None)
+            if handle is not None:
+                self._nx.call(f"releasing transfer {xfer}", handle.release, allow_none=True)
+
+    # ---- notifications ---------------------------------------------------------------
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer`` through NIXL's notification channel."""
+        with self._lock:
+            self._check_peer(peer)
+            self._nx.call(f"send_notif to {peer!r}", self._agent.send_notif, peer, bytes(message),
+                          allow_none=True)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as (sender agent name, bytes)."""
+        with self._lock:
+            self._check_open()
+            got = self._nx.call("get_new_notifs", self._agent.get_new_notifs)
+        out = []
+        for sender, messages in got.items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            out.extend((name, bytes(m)) for m in messages)
+        return out

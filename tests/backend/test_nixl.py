@@ -1,0 +1,180 @@
+"""NixlBackend over real NIXL/UCX between this process and a peer process on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import pytest
+
+from nixl_peer import PeerProcess, pattern
+
+from kvxfer.backend.base import Backend, descs
+from kvxfer.backend.nixl import NixlBackend
+from kvxfer.errors import ClosedError, ConfigError, KvxferError, PeerLostError, RegistrationError
+from kvxfer.types import Direction, MemKind, Region, XferState
+
+DRAM = MemKind.DRAM
+SIZE = 64 << 20
+SEED = 1234
+
+
+def wait(backend: NixlBackend, xfer: int, timeout: float = 30.0) -> XferState:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = backend.state(xfer)
+        if state is not XferState.PENDING:
+            return state
+    return XferState.PENDING
+
+
+@pytest.fixture(scope="module")
+def link():
+    """This process's agent 'local' and a peer process 'remote' holding 64 MiB of seeded bytes."""
+    peer = PeerProcess("remote")
+    local = NixlBackend("local")
+    buf = np.zeros(SIZE, np.uint8)
+    handle = local.register([Region(buf.ctypes.data, buf.nbytes, 0, DRAM)])
+    try:
+        info = peer.call("setup", nbytes=SIZE, seed=SEED)
+        assert local.add_peer(bytes.fromhex(info["metadata"])) == "remote"
+        assert peer.call("add_peer", metadata=local.metadata().hex())["name"] == "local"
+        yield local, peer, buf, info["addr"], handle
+    finally:
+        local.close()
+        peer.close()
+
+
+def test_nixl_backend_is_a_backend(link):
+    assert isinstance(link[0], Backend)
+
+
+def test_read_64mib_with_several_descriptors(link):
+    local, peer, buf, remote_addr, _ = link
+    chunk = SIZE // 16
+    perm = np.random.default_rng(0).permutation(16)  # local chunk i <- remote chunk perm[i]
+    loc = descs(buf.ctypes.data + np.arange(16, dtype=np.uint64) * chunk, chunk, 0)
+    rem = descs(remote_addr + perm.astype(np.uint64) * chunk, chunk, 0)
+    buf[:] = 0
+    x = local.post(Direction.READ, loc, DRAM, rem, DRAM, "remote", b"read-64")
+    assert wait(local, x) is XferState.DONE
+    local.release(x)
+    expected = pattern(SIZE, SEED).reshape(16, chunk)[perm].reshape(-1)
+    assert np.array_equal(buf, expected)
+    got = peer.call("notifs", want=1, timeout=10)["notifs"]
+    assert got == [["local", b"read-64".hex()]]
+
+
+def test_prepared_write_lands_in_peer(link):
+    local, peer, buf, remote_addr, _ = link
+    n, size = 64, 4096
+    buf[: n * size] = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
+    lp = local.prepare(None, descs(buf.ctypes.data + np.arange(n, dtype=np.uint64) * size, size, 0), DRAM)
+    rp = local.prepare("remote", descs(remote_addr + np.arange(n, dtype=np.uint64) * size, size, 0), DRAM)
+    # local row i goes to remote row n-1-i: the peer's first n*size bytes become our rows reversed
+    x = local.post_prepared(Direction.WRITE, lp, np.arange(n), rp, np.arange(n)[::-1], "remote", b"w")
+    assert wait(local, x) is XferState.DONE
+    local.release(x)
+    expected = buf[: n * size].reshape(n, size)[::-1].tobytes()
+    assert peer.call("digest", offset=0, length=n * size)["sha256"] == hashlib.sha256(expected).hexdigest()
+    assert peer.call("notifs", want=1, timeout=10)["notifs"] == [["local", b"w".hex()]]
+    with pytest.raises(ConfigError, match=r"remote indices must lie in \[0, 64\); got range \[0, 64\]"):
+        local.post_prepared(Direction.WRITE, lp, np.arange(2), rp, np.array([0, 64]), "remote", b"")
+    local.unprepare(lp)
+    local.unprepare(rp)
+
+
+def test_notifications_both_ways(link):
+    local, peer, *_ = link
+    local.notify("remote", b"ping")
+    assert peer.call("notifs", want=1, timeout=10)["notifs"] == [["local", b"ping".hex()]]
+    peer.call("notify", peer="local", msg=b"pong".hex())
+    got, deadline = [], time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got = local.notifications()
+    assert got == [("remote", b"pong")]
+
+
+def test_unregistered_remote_range_is_registration_error(link):
+    local, _, buf, remote_addr, _ = link
+    with pytest.raises(RegistrationError, match="nixlNotFoundError") as info:
+        local.post(Direction.READ, descs(np.array([buf.ctypes.data]), 4096, 0), DRAM,
+                   descs(np.array([remote_addr + SIZE]), 4096, 0), DRAM, "remote", b"")
+    assert type(info.value.__cause__).__name__ == "nixlNotFoundError"
+
+
+def test_deregistered_local_memory_is_refused(link):
+    local, _, _, remote_addr, _ = link
+    extra = np.zeros(1 << 16, np.uint8)
+    h = local.register([Region(extra.ctypes.data, extra.nbytes, 0, DRAM)])
+    row = descs(np.array([extra.ctypes.data]), 4096, 0)
+    remote = descs(np.array([remote_addr + SIZE - 4096]), 4096, 0)  # a slice no test writes
+    x = local.post(Direction.READ, row, DRAM, remote, DRAM, "remote", b"")
+    assert wait(local, x) is XferState.DONE
+    local.release(x)
+    assert np.array_equal(extra[:4096], pattern(SIZE, SEED)[-4096:])
+    local.deregister(h)
+    with pytest.raises(RegistrationError):
+        local.post(Direction.READ, row, DRAM, remote, DRAM, "remote", b"")
+    with pytest.raises(ConfigError, match="unknown registration handle"):
+        local.deregister(h)
+
+
+def test_bad_input_is_typed(link):
+    local, _, buf, remote_addr, _ = link
+    one = descs(np.array([buf.ctypes.data]), 64, 0)
+    with pytest.raises(ConfigError, match="unknown peer 'nobody'"):
+        local.post(Direction.READ, one, DRAM, one, DRAM, "nobody", b"")
+    with pytest.raises(ConfigError, match=r"shape \[N, 3\]; got \(3,\)"):
+        local.post(Direction.READ, one[0], DRAM, one, DRAM, "remote", b"")
+    with pytest.raises(ConfigError, match="at least 1 row; got 0"):
+        local.post(Direction.READ, one[:0], DRAM, one[:0], DRAM, "remote", b"")
+    with pytest.raises(ConfigError, match=r"direction must be one of \['READ', 'WRITE'\]; got 'PULL'"):
+        local.post("PULL", one, DRAM, one, DRAM, "remote", b"")
+    with pytest.raises(ConfigError, match="unknown transfer id 999999"):
+        local.state(999999)
+
+
+def test_unknown_backend_lists_available():
+    with pytest.raises(ConfigError, match=r"unknown NIXL backend\(s\) \['NOPE'\].*'UCX'"):
+        NixlBackend("cfg-check", backends=("UCX", "NOPE"))
+
+
+def test_close_is_idempotent_and_final():
+    b = NixlBackend("closing")
+    buf = np.zeros(4096, np.uint8)
+    b.register([Region(buf.ctypes.data, buf.nbytes, 0, DRAM)])
+    b.close()
+    b.close()
+    for call in (b.metadata, b.notifications, lambda: b.register([Region(buf.ctypes.data, 64, 0, DRAM)])):
+        with pytest.raises(ClosedError):
+            call()
+    assert issubclass(ClosedError, KvxferError)
+
+
+def test_dead_peer_process_is_peer_lost():
+    peer = PeerProcess("doomed")
+    local = NixlBackend("survivor")
+    buf = np.zeros(1 << 16, np.uint8)
+    local.register([Region(buf.ctypes.data, buf.nbytes, 0, DRAM)])
+    try:
+        info = peer.call("setup", nbytes=1 << 16, seed=3)
+        local.add_peer(bytes.fromhex(info["metadata"]))
+        loc = descs(np.array([buf.ctypes.data]), 4096, 0)
+        rem = descs(np.array([info["addr"]]), 4096, 0)
+        x = local.post(Direction.READ, loc, DRAM, rem, DRAM, "doomed", b"")
+        assert wait(local, x) is XferState.DONE
+        local.release(x)
+        peer.proc.kill()
+        peer.proc.wait()
+        with pytest.raises(PeerLostError, match="nixlRemoteDisconnectError"):
+            x = local.post(Direction.READ, loc, DRAM, rem, DRAM, "doomed", b"")
+            # should UCX notice only later, the transfer must fail, not hang
+            assert wait(local, x) is XferState.FAILED
+            raise local.failure(x)
+        with pytest.raises(PeerLostError):
+            local.notify("doomed", b"anyone?")
+    finally:
+        local.close()
+        peer.close()
