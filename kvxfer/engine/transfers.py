@@ -40,6 +40,7 @@ class Part:
     xfer: XferId | None = None
     staging_offset: int | None = None
     done: bool = False
+    waiting: bool = False   # staged part not yet posted: the staging buffer was full
 
 
 @dataclass
@@ -86,6 +87,7 @@ class TransferEngine:
         self._unpack = unpack
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
+        self._posting: set[str] = set()
         self._closed = False
 
     # ---- submission --------------------------------------------------------------
@@ -105,17 +107,21 @@ class TransferEngine:
         req = _Request(handle, direction, parts, None if timeout is None else now + timeout,
                        time.perf_counter(), mode, on_success)
         with self._lock:
-            if request_id in self._requests:
+            if request_id in self._requests or request_id in self._posting:
                 raise TransferFailedError(f"request {request_id!r} already has a transfer in flight")
-            self._requests[request_id] = req
+            self._posting.add(request_id)
         try:
+            # Post before the progress thread can see the request, so it never races the posting.
             for part in parts:
                 self._post(part, direction)
         except BaseException:
-            with self._lock:
-                self._requests.pop(request_id, None)
             self._release_parts(req)
+            with self._lock:
+                self._posting.discard(request_id)
             raise
+        with self._lock:
+            self._posting.discard(request_id)
+            self._requests[request_id] = req
         if not parts:
             self._complete(req, None)
         return handle
@@ -133,7 +139,9 @@ class TransferEngine:
                 )
             offset = self._staging.allocate(part.plan.staging_bytes)
             if offset is None:
-                return  # retried by progress() once another part frees its range
+                part.waiting = True  # posted by progress() once another part frees its range
+                return
+            part.waiting = False
             part.staging_offset = offset
             local = local.copy()
             local[:, 0] += self._staging_base + offset
@@ -160,9 +168,9 @@ class TransferEngine:
         for part in req.parts:
             if part.done:
                 continue
-            if part.xfer is None:
+            if part.waiting:
                 self._post(part, req.direction)
-                if part.xfer is None:
+                if part.waiting:
                     continue
             state = self._backend.state(part.xfer)
             if state is XferState.PENDING:
