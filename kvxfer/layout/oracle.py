@@ -69,8 +69,9 @@ def place_cache(spec: KVSpec, arena_base: int = 0x10_0000, gap: int = 0) -> tupl
         bases = np.zeros((L, K), dtype=np.uint64)
         pos = arena_base + gap
         for layer in range(L):
-            if spec.storage is Storage.PACKED:
-                bases[layer] = [pos + kv * bb for kv in range(K)]
+            if spec.storage in (Storage.PACKED, Storage.HEAD_PACKED):
+                step = bb if spec.storage is Storage.PACKED else spec.block_size * spec.vector_bytes
+                bases[layer] = [pos + kv * step for kv in range(K)]
                 pos += n * K * bb + gap
             else:
                 for kv in range(K):
@@ -87,7 +88,7 @@ def vector_addresses(view: CacheView, layer: int, kv: int, block_ids: np.ndarray
     blocks = np.asarray(block_ids, dtype=np.int64)
     t = np.arange(s.block_size, dtype=np.int64)[:, None]
     h = np.arange(s.heads_per_rank, dtype=np.int64)[None, :]
-    off = t * s.heads_per_rank + h if s.layout is Layout.NHD else h * s.block_size + t
+    off = t * s.token_stride + h * s.head_stride
     base = int(view.geometry.bases[layer, kv])
     addr = base + blocks[:, None, None] * s.block_stride + off[None] * s.vector_bytes
     return addr.reshape(-1, s.heads_per_rank)

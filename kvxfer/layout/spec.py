@@ -13,7 +13,9 @@ How regions sit in memory is the ``storage``:
               or two tensors (K, V); ``block_stride`` = one K (or V) block;
 * ``packed``  each layer is one tensor ``[num_blocks, 2, <block>]``: a block holds K then V;
 * ``cross_layer`` one tensor ``[num_blocks, num_layers, 2, <block>]``: one contiguous row
-              per block holding every layer (vLLM's cross-layer blocks).
+              per block holding every layer (vLLM's cross-layer blocks);
+* ``head_packed`` (HND only) each layer is one tensor ``[num_blocks, heads, 2, block_size, head_dim]``:
+              inside a block every head holds its K rows, then its V rows (vLLM's CPU backend).
 
 ``CacheGeometry`` adds the addresses: the base of block 0 of every region.
 """
@@ -56,6 +58,7 @@ class Storage(str, enum.Enum):
     SPLIT = "split"
     PACKED = "packed"
     CROSS_LAYER = "cross_layer"
+    HEAD_PACKED = "head_packed"
 
 
 def _positive(name: str, value: int) -> None:
@@ -116,8 +119,10 @@ class KVSpec:
             raise LayoutError(f"tp_rank must be in [0, {self.tp_size}); got {self.tp_rank!r}")
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError(f"an MLA cache has num_kv_heads=1; got {self.num_kv_heads}")
-        if self.mla and self.storage is Storage.PACKED:
-            raise LayoutError("an MLA cache has no V; storage 'packed' does not apply")
+        if self.mla and self.storage in (Storage.PACKED, Storage.HEAD_PACKED):
+            raise LayoutError(f"an MLA cache has no V; storage {self.storage.value!r} does not apply")
+        if self.storage is Storage.HEAD_PACKED and self.layout is not Layout.HND:
+            raise LayoutError(f"storage 'head_packed' is head-major: layout must be 'HND'; got {self.layout.value!r}")
         h, tp = self.num_kv_heads, self.tp_size
         if not self.mla and h % tp and tp % h:
             raise LayoutError(
@@ -170,14 +175,33 @@ class KVSpec:
         """Bytes between block i and block i+1 of the same region."""
         if self.storage is Storage.SPLIT:
             return self.block_bytes
-        if self.storage is Storage.PACKED:
+        if self.storage in (Storage.PACKED, Storage.HEAD_PACKED):
             return self.kv_count * self.block_bytes
         return self.num_layers * self.kv_count * self.block_bytes
 
     @property
+    def token_stride(self) -> int:
+        """Vectors between token t and t+1 of one head inside a block."""
+        return self.heads_per_rank if self.layout is Layout.NHD else 1
+
+    @property
+    def head_stride(self) -> int:
+        """Vectors between head h and h+1 of one token inside a block."""
+        if self.layout is Layout.NHD:
+            return 1
+        return self.block_size * (self.kv_count if self.storage is Storage.HEAD_PACKED else 1)
+
+    @property
+    def block_span(self) -> int:
+        """Bytes from a region's block start to the end of its last vector in that block
+        (``block_bytes`` unless heads of K and V interleave, as in ``head_packed``)."""
+        last = (self.heads_per_rank - 1) * self.head_stride + (self.block_size - 1) * self.token_stride
+        return (last + 1) * self.vector_bytes
+
+    @property
     def region_bytes(self) -> int:
-        """Bytes one region spans, from its block 0 to the end of its last block."""
-        return (self.num_blocks - 1) * self.block_stride + self.block_bytes
+        """Bytes one region spans, from its block 0 to the end of its last vector."""
+        return (self.num_blocks - 1) * self.block_stride + self.block_span
 
     @property
     def cache_bytes(self) -> int:
@@ -205,6 +229,8 @@ class KVSpec:
             return [(n, self.num_layers, self.kv_count, *inner)]
         if self.storage is Storage.PACKED:
             return [(n, 2, *inner)] * self.num_layers
+        if self.storage is Storage.HEAD_PACKED:
+            return [(n, self.heads_per_rank, 2, self.block_size, self.head_dim)] * self.num_layers
         if self.mla:
             return [(n, *inner)] * self.num_layers
         return [(2, n, *inner)] * self.num_layers
@@ -245,6 +271,8 @@ class CacheGeometry:
             off = (layer * K + kv) * bb
         elif spec.storage is Storage.PACKED:
             off = layer * (spec.num_blocks * K * bb) + kv * bb
+        elif spec.storage is Storage.HEAD_PACKED:
+            off = layer * (spec.num_blocks * K * bb) + kv * (spec.block_size * spec.vector_bytes)
         else:
             off = layer * (K * spec.num_blocks * bb) + kv * (spec.num_blocks * bb)
         return cls(np.uint64(base) + off.astype(np.uint64), device, kind)

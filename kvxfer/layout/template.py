@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.layout.spec import KVSpec, Layout
+from kvxfer.layout.spec import KVSpec, Storage
 
 __all__ = ["PieceTemplate", "UnpackTemplate", "direct_template", "staged_template", "unit_vectors"]
 
@@ -62,10 +62,7 @@ class UnpackTemplate:
 
 def _in_block_offset(spec: KVSpec, token: np.ndarray, head: np.ndarray) -> np.ndarray:
     """Vector offset within a block of ``spec`` for in-block ``token`` and GLOBAL ``head``."""
-    h = head - spec.first_head
-    if spec.layout is Layout.NHD:
-        return token * spec.heads_per_rank + h
-    return h * spec.block_size + token
+    return token * spec.token_stride + (head - spec.first_head) * spec.head_stride
 
 
 def unit_vectors(local: KVSpec, remote: KVSpec, heads: tuple[int, int]) -> dict[str, np.ndarray]:
@@ -129,7 +126,10 @@ def staged_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int],
     vb = local.vector_bytes
     s = _starts(_step_breaks(v["r_blk"], v["r_vec"]))
     n = np.diff(np.append(s, v["r_blk"].shape[0]))
-    over_read = bool(n.min() * vb < min_piece_bytes) and int(np.unique(v["r_blk"]).size) < int(s.size)
+    # Over-reading a head_packed block would span the other region's interleaved heads and
+    # make K and V pieces overlap; read those per head instead.
+    over_read = (bool(n.min() * vb < min_piece_bytes) and int(np.unique(v["r_blk"]).size) < int(s.size)
+                 and remote.storage is not Storage.HEAD_PACKED)
     if over_read:
         s = _starts(np.concatenate(([True], v["r_blk"][1:] != v["r_blk"][:-1])))
         last = np.append(s[1:], v["r_blk"].shape[0]) - 1

@@ -127,6 +127,8 @@ class MemoryRegistry:
                 bases[:] = CacheGeometry.contiguous(spec, t.addr).bases
             elif spec.storage is Storage.PACKED:
                 bases[i] = (t.addr, t.addr + spec.block_bytes)
+            elif spec.storage is Storage.HEAD_PACKED:
+                bases[i] = (t.addr, t.addr + spec.block_size * spec.vector_bytes)
             elif spec.mla:
                 bases[i, 0] = t.addr
             else:

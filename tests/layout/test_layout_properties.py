@@ -39,9 +39,10 @@ def spec_pair(draw, head_slicing_nhd: bool = False):
 
     def one(bs, tp, layouts=("NHD", "HND")):
         need = units * unit // bs
+        layout = draw(st.sampled_from(layouts))
+        choices = storages + (["head_packed"] if layout == "HND" and not mla else [])
         return KVSpec(block_size=bs, num_blocks=need + draw(st.integers(1, 4)), tp_size=tp,
-                      layout=draw(st.sampled_from(layouts)),
-                      storage=draw(st.sampled_from(storages)), **common)
+                      layout=layout, storage=draw(st.sampled_from(choices)), **common)
 
     if head_slicing_nhd:
         tp_r = draw(st.sampled_from([t for t in (1, 2, 4) if t < heads]))
