@@ -190,3 +190,47 @@ def test_closed_agent_raises_closed_error_and_close_is_idempotent(harness):
     a.close()
     with pytest.raises(ClosedError):
         a.hold("r", [0])
+
+
+def test_many_requests_in_flight_at_once(harness):
+    s = spec(num_blocks=40)
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons._backend.hold_transfers(True)
+    handles = []
+    for i in range(20):
+        prod.hold(f"r{i}", [i, 20 + i])
+        handles.append(cons.read(prod.address, [2 * i, 2 * i + 1], [i, 20 + i], f"r{i}"))
+    assert not any(h.done() for h in handles)
+    cons._backend.hold_transfers(False)
+    for h in handles:
+        h.wait(5)
+    for i in range(20):
+        np.testing.assert_array_equal(ccache[1][1][[2 * i, 2 * i + 1]], pcache[1][1][[i, 20 + i]])
+    assert wait_for(lambda: all(not prod.holding(f"r{i}") for i in range(20)))
+
+
+def test_close_deregisters_everything_and_fails_in_flight(harness):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, _ = harness.agent(s, seed=2, listen=False)
+    prod.hold("r", [1])
+    cons._backend.hold_transfers(True)
+    handle = cons.read(prod.address, [0], [1], "r")
+    backend = cons._backend
+    assert backend.registered()
+    cons.close()
+    assert isinstance(handle.exception(), ClosedError)
+    assert cons._registry.regions == ()
+
+
+def test_duplicate_request_id_in_flight_is_refused(harness):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, _ = harness.agent(s, seed=2, listen=False)
+    prod.hold("r", [1, 2])
+    cons._backend.hold_transfers(True)
+    cons.read(prod.address, [0], [1], "r")
+    from kvxfer import TransferFailedError
+    with pytest.raises(TransferFailedError, match="already has a transfer in flight"):
+        cons.read(prod.address, [3], [2], "r")

@@ -129,3 +129,9 @@ def test_dead_producer_is_peer_lost_within_deadline(producers):
         with pytest.raises(PeerLostError):
             cons.read(address, [0], [1], "r")
         assert time.monotonic() - t0 < 10
+
+
+def test_unknown_backend_lists_what_nixl_offers():
+    from kvxfer import ConfigError
+    with pytest.raises(ConfigError, match="UCX"):
+        Agent("x", KVSpec(**COMMON), AgentConfig(backends=("NO_SUCH_PLUGIN",)))

@@ -1,0 +1,149 @@
+"""KvxferConnector in a real vLLM P/D pair: the shared contract, plus failure, lease and abort behaviour.
+
+Both servers run ``kv_role: kv_both``, so either can prefill for the other. The first
+("P") uses ``kv_load_failure_policy: fail``; the second ("D") uses ``recompute`` and a
+short producer lease (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), which the lease test uses by
+letting D prefill and P decode.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import BLOCK_SIZE, pd_servers
+from pd_contract import EXTERNAL_HITS, MAX_TOKENS, PDContract, reference
+from vllm_harness import (
+    Client, ProxyServer, RequestFailed, prefill, prompt_of, route_pd, run_concurrently,
+)
+
+KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+D_LEASE_S = 6
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, vllm_logs):
+    with pd_servers("kvxfer", tiny_model, vllm_logs,
+                    {**KVX, "kv_load_failure_policy": "fail"},
+                    {**KVX, "kv_load_failure_policy": "recompute"},
+                    d_env={"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(D_LEASE_S)}) as (p, d):
+        yield p, d
+
+
+@pytest.fixture(scope="module")
+def proxy(servers, vllm_logs):
+    """kvxfer's proxy with P as prefiller and D as decoder."""
+    p, d = servers
+    proxy = ProxyServer([p], [d], vllm_logs, name="kvxfer-proxy").start()
+    try:
+        proxy.wait_ready(time.monotonic() + 60)
+        yield proxy.client()
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(servers):
+    p, d = servers
+    return p.client(), d.client()
+
+
+def wait_for_no_blocks_in_use(*clients: Client, within: float) -> None:
+    """Poll until every server's KV-cache usage is 0; fail (naming the values) after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        usage = [c.metric(USAGE) for c in clients]
+        if not any(usage):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"blocks still in use after {within} s: {usage}")
+        time.sleep(0.25)
+
+
+class TestKvxferConnector(PDContract):
+    """KvxferConnector, TP 1 -> TP 1, CPU caches (LBHNC)."""
+
+    def test_through_kvxfer_proxy(self, pair, proxy):
+        p, d = pair
+        prompts = [prompt_of(n, seed=90 + i) for i, n in enumerate((9, 40, 130, 257))]
+        refs = [reference(p, x) for x in prompts]
+        before = d.metric(EXTERNAL_HITS)
+        got = run_concurrently(lambda x: proxy.complete(x, MAX_TOKENS).token_ids, prompts)
+        assert got == refs
+        assert d.metric(EXTERNAL_HITS) - before >= sum(map(len, prompts)) - len(prompts)
+
+    def test_prefill_answer_uses_vllm_field_names(self, pair):
+        p, d = pair
+        params = prefill(p, prompt_of(50, seed=50)).kv_transfer_params
+        for key in ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                    "remote_request_id", "remote_host", "remote_port", "tp_size"):
+            assert key in params, key
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_block_ids"] == [[*params["remote_block_ids"][0]]]
+        assert len(params["remote_block_ids"][0]) == 2  # 50 tokens in blocks of 32
+        d.complete(prompt_of(50, seed=50), 1, kv_transfer_params=params)  # consume it: frees P
+
+    def test_read_of_released_blocks_recomputes_under_recompute(self, pair):
+        # A's blocks were read and released; feeding A's params with prompt B must not serve
+        # B from A's freed blocks: the claim is refused and D (recompute) computes B itself.
+        p, d = pair
+        a = prompt_of(2 * BLOCK_SIZE + 9, seed=61, last=4)
+        b = prompt_of(2 * BLOCK_SIZE + 9, seed=62, last=4)
+        params_a = prefill(p, a).kv_transfer_params
+        assert d.complete(a, MAX_TOKENS, kv_transfer_params=params_a).token_ids == reference(p, a)
+        ref_b = reference(p, b)
+        assert ref_b != reference(p, a)
+        got = d.complete(b, MAX_TOKENS, kv_transfer_params=dict(params_a))
+        assert got.token_ids == ref_b
+        route_ok = route_pd(p, d, prompt_of(40, seed=63), MAX_TOKENS)
+        assert route_ok.token_ids == reference(p, prompt_of(40, seed=63))
+
+    def test_expired_lease_frees_blocks_and_late_read_fails_under_fail(self, servers, pair):
+        # D prefills (short lease), nobody reads: D frees the blocks when the lease ends.
+        # P then tries the late read: refused, and P's policy (fail) ends the request with an error.
+        p, d = pair
+        wait_for_no_blocks_in_use(p, d, within=30)
+        prompt = prompt_of(3 * BLOCK_SIZE, seed=71)
+        params = prefill(d, prompt).kv_transfer_params
+        assert d.metric(USAGE) > 0  # held for the decoder
+        time.sleep(D_LEASE_S / 2)
+        assert d.metric(USAGE) > 0  # still held before the lease ends
+        wait_for_no_blocks_in_use(d, within=D_LEASE_S + 30)
+        with pytest.raises(RequestFailed):
+            got = p.complete(prompt, MAX_TOKENS, kv_transfer_params=params)
+            if got.finish_reason == "error" or not got.token_ids:  # an error reported in-band
+                raise RequestFailed(200, str(got.raw))
+        # P keeps serving, in both directions
+        q = prompt_of(70, seed=72)
+        assert route_pd(d, p, q, MAX_TOKENS).token_ids == reference(d, q)
+        assert route_pd(p, d, q[::-1], MAX_TOKENS).token_ids == reference(p, q[::-1])
+
+    def test_abort_on_decoder_frees_blocks_on_both_sides(self, servers, pair):
+        p, d = pair
+        p_server, d_server = servers
+        wait_for_no_blocks_in_use(p, d, within=30)
+        prompt = prompt_of(5 * BLOCK_SIZE, seed=81)
+        params = prefill(p, prompt).kv_transfer_params
+        assert p.metric(USAGE) > 0
+        abort_soon(d_server.url, prompt, params)
+        # P's lease is 480 s: only the decoder's abort (or its completed read) frees P in time
+        wait_for_no_blocks_in_use(p, d, within=30)
+        q = prompt_of(90, seed=82)
+        assert route_pd(p, d, q, MAX_TOKENS).token_ids == reference(p, q)
+
+
+def abort_soon(url: str, prompt: list[int], params: dict) -> None:
+    """Send a streaming request and hang up at once: vLLM aborts it (client disconnect)."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 500, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "kv_transfer_params": params})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    conn.sock.close()
+    conn.close()
