@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from kvxfer.backend.base import XferId
-from kvxfer.backend.nixl import as_enum, check_indices, check_pair  # pure helpers: importing them loads no NIXL
+from kvxfer.backend.checks import as_enum, check_indices, check_pair
 from kvxfer.errors import (ClosedError, ConfigError, KvxferError, PeerLostError, RegistrationError,
                            TransferFailedError)
 from kvxfer.types import Direction, MemKind, Region, XferState
