@@ -13,7 +13,7 @@ block stride on both sides.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Sequence
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, merge_rows
-from kvxfer.layout.spec import CacheGeometry, KVSpec
+from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.layout.template import PieceTemplate, UnpackTemplate, direct_template, staged_template
 
 __all__ = ["CacheView", "TransferPlan", "build_plan"]
@@ -259,6 +259,23 @@ class TransferPlan:
                          vector_bytes=s.vector_bytes, region_bytes=s.region_bytes)
 
 
+def _whole_head_packed_rows(ls: KVSpec, rs: KVSpec) -> bool:
+    """Both caches are head_packed with the same heads and block size: a layer's block is one
+    contiguous row on both sides (K and V of every head), so rows can move whole."""
+    return (ls.storage is rs.storage is Storage.HEAD_PACKED and ls.block_size == rs.block_size
+            and ls.heads_per_rank == rs.heads_per_rank and ls.first_head == rs.first_head)
+
+
+def _as_packed(view: CacheView) -> CacheView:
+    """The same memory described as ``packed`` (K rows then V rows of the block). Only whole-row
+    copies between two such views are faithful: they move the same bytes either way."""
+    s = view.spec
+    bases = view.geometry.bases.copy()
+    bases[:, 1] = bases[:, 0] + np.uint64(s.block_bytes)
+    spec = replace(s, storage=Storage.PACKED)
+    return CacheView(spec, CacheGeometry(bases, view.geometry.device, view.geometry.kind))
+
+
 def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = True,
                min_direct_bytes: int = 4096, mode: str = "auto") -> TransferPlan:
     """Plan moving the heads ``local`` needs that ``remote`` holds, for any request.
@@ -285,6 +302,9 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
         raise LayoutError(f"min_direct_bytes must be a non-negative integer; got {min_direct_bytes!r}")
     ls, rs = local.spec, remote.spec
     heads = _check_pair(ls, rs)
+    if mode != "staged" and _whole_head_packed_rows(ls, rs):
+        local, remote = _as_packed(local), _as_packed(remote)
+        ls, rs = local.spec, remote.spec
     direct = direct_template(ls, rs, heads)
     natural = (heads[1] - heads[0]) * min(ls.block_size, rs.block_size) * ls.vector_bytes
     smallest = int(direct.length.min())

@@ -227,3 +227,22 @@ def test_real_addresses_of_numpy_buffers():
     execute(plan, req, larena, rarena)
     got = logical_kv(lview, larena, [9, 3])[:, :, :, 4:8]
     assert np.array_equal(got, logical_kv(rview, rarena, [0, 1]))
+
+
+def test_head_packed_same_heads_moves_whole_rows_one_descriptor_per_run_per_layer():
+    """vLLM's CPU cache: a layer's block is one contiguous row; equal specs coalesce runs."""
+    from kvxfer.layout.oracle import execute, fill_pattern, logical_kv, place_cache
+    from kvxfer.types import Direction
+
+    s = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16,
+               dtype="float16", layout="HND", storage="head_packed", model="m")
+    lv, la = place_cache(s, gap=64)
+    rv, ra = place_cache(s, arena_base=0x4000_0000, gap=32)
+    fill_pattern(lv, la, 1)
+    fill_pattern(rv, ra, 2)
+    plan = build_plan(lv, rv)
+    req = plan.for_request([5, 6, 7, 0], [1, 2, 3, 9])
+    assert plan.mode == "direct"
+    assert req.local.shape[0] == 3 * 2  # per layer: the run 5,6,7<-1,2,3 and the single block 0<-9
+    execute(plan, req, la, ra, Direction.READ)
+    np.testing.assert_array_equal(logical_kv(lv, la, [5, 6, 7, 0]), logical_kv(rv, ra, [1, 2, 3, 9]))
