@@ -1,5 +1,6 @@
 """The composition root: ``Agent`` wires config, backend, registry, engine and side channel."""
 
-from kvxfer.agent.core import Agent, Finished
+from kvxfer.agent.core import Agent
+from kvxfer.agent.reports import Finished
 
 __all__ = ["Agent", "Finished"]

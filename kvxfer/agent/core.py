@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from kvxfer.agent.peers import PeerDirectory, PeerLink
+from kvxfer.agent.reports import Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
@@ -41,22 +41,6 @@ from kvxfer.types import Direction, MemKind
 __all__ = ["Agent", "Finished"]
 
 log = logging.getLogger("kvxfer.agent")
-
-
-@dataclass
-class Finished:
-    """What completed since the last ``Agent.finished()`` call.
-
-    ``sent``: producer requests released because every consumer reported done.
-    ``expired``: producer requests released by abort or lease expiry.
-    ``received``: consumer requests whose blocks arrived (reads, or writes from producers).
-    ``failed``: consumer requests that failed, with the error.
-    """
-
-    sent: set[str] = field(default_factory=set)
-    expired: set[str] = field(default_factory=set)
-    received: set[str] = field(default_factory=set)
-    failed: dict[str, KvxferError] = field(default_factory=dict)
 
 
 class Agent:
@@ -88,8 +72,7 @@ class Agent:
         self._registry = MemoryRegistry(backend)
         self._view: CacheView | None = None
         self._engine: TransferEngine | None = None
-        self._finished = Finished()
-        self._finished_lock = threading.Lock()
+        self._reports = Reports()
         self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release)
         self._service = ProducerService(self)
         self._server: SideChannelServer | None = None
@@ -98,8 +81,6 @@ class Agent:
                                     backend.remove_peer, self.config.handshake_timeout,
                                     getattr(backend, "connect", None))
         self._claims: dict[str, list[PeerLink]] = {}
-        self._expected_writes: dict[str, int] = {}
-        self._write_counts: dict[str, int] = {}
         self._closed = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
@@ -253,7 +234,7 @@ class Agent:
 
     def expect_writes(self, request_id: str, producers: int) -> None:
         """Consumer side of WRITE: report ``request_id`` received after ``producers`` writes (default 1)."""
-        self._expected_writes[request_id] = producers
+        self._reports.expect_writes(request_id, producers)
 
     def abort(self, request_id: str, remote: tuple[str, int] | None = None) -> None:
         """Consumer-side abort: cancel an in-flight read and tell the producer ranks to release.
@@ -283,9 +264,7 @@ class Agent:
     # ---- reporting -----------------------------------------------------------------
     def finished(self) -> Finished:
         """Drain and return what finished since the last call."""
-        with self._finished_lock:
-            out, self._finished = self._finished, Finished()
-        return out
+        return self._reports.drain()
 
     # ---- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
@@ -367,16 +346,10 @@ class Agent:
 
     def _on_read_done(self, handle: TransferHandle) -> None:
         self._claims.pop(handle.request_id, None)
-        with self._finished_lock:
-            error = handle.exception()
-            if error is None:
-                self._finished.received.add(handle.request_id)
-            else:
-                self._finished.failed[handle.request_id] = error
+        self._reports.read_done(handle)
 
     def _on_release(self, request_id: str, why: str) -> None:
-        with self._finished_lock:
-            (self._finished.sent if why == "sent" else self._finished.expired).add(request_id)
+        self._reports.released(request_id, why)
 
     def _unpack(self, plan, staging_addr: int) -> None:
         staging = host_view(staging_addr, plan.staging_bytes)
@@ -391,14 +364,7 @@ class Agent:
             return
         if self._leases.done(request_id, engine_id) or self._leases.held(request_id):
             return
-        count = self._write_counts.get(request_id, 0) + 1
-        if count >= self._expected_writes.get(request_id, 1):
-            self._write_counts.pop(request_id, None)
-            self._expected_writes.pop(request_id, None)
-            with self._finished_lock:
-                self._finished.received.add(request_id)
-        else:
-            self._write_counts[request_id] = count
+        self._reports.write_arrived(request_id)
 
     def _progress_loop(self) -> None:
         last_expire = 0.0
