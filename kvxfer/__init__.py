@@ -40,7 +40,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
 
 
-__all__ = sorted([
+__all__ = [
     "Agent",
     "AgentConfig",
     "AuthenticationError",
@@ -68,4 +68,4 @@ __all__ = sorted([
     "TransferStats",
     "TransferTimeoutError",
     "__version__",
-])
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvxfer.errors import KvxferError, TransferTimeoutError
 

@@ -19,7 +19,7 @@ import numpy as np
 from kvxfer.errors import LayoutError
 from kvxfer.layout.plan import CacheView, TransferPlan
 from kvxfer.layout.request import RequestPlan
-from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
+from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.types import Direction
 
 __all__ = [

@@ -3,7 +3,6 @@
 import itertools
 
 import numpy as np
-import pytest
 
 from kvxfer import Agent, AgentConfig, KVSpec
 from kvxfer.backend.fake import FakeBackend, FakeWorld

@@ -19,8 +19,8 @@ def element_view(spec: KVSpec, memory: np.ndarray, geom: CacheGeometry) -> np.nd
     vb, isz = spec.vector_bytes, spec.itemsize
     if spec.layout is Layout.NHD:
         tok, head = spec.heads_per_rank * vb, vb
-    else:
-        tok, head = vb, spec.block_size * vb
+    else:  # head-major; K and V heads interleave in head_packed storage
+        tok, head = vb, spec.block_size * vb * (2 if spec.storage.value == "head_packed" else 1)
     start = int(b[0, 0]) - base
     shape = (spec.num_layers, spec.kv_count, spec.num_blocks, spec.block_size,
              spec.heads_per_rank, spec.head_dim, isz)

@@ -24,6 +24,8 @@ CASES = [
     ("hnd-to-nhd", {"layout": "HND"}, {"layout": "NHD"}),
     ("nhd-to-hnd-packed", {"storage": "packed"}, {"layout": "HND"}),
     ("cross-layer-to-split", {"storage": "cross_layer"}, {}),
+    ("head-packed-to-nhd-tp2", {"storage": "head_packed", "layout": "HND"}, {"tp_size": 2, "tp_rank": 1}),
+    ("split-to-head-packed", {}, {"storage": "head_packed", "layout": "HND"}),
     ("tp1-to-2-rank1", {"layout": "HND"}, {"tp_size": 2, "tp_rank": 1}),
     ("tp1-to-2-nhd", {}, {"tp_size": 2, "tp_rank": 0}),
     ("tp2-to-1-rank1", {"tp_size": 2, "tp_rank": 1, "layout": "HND"}, {}),

@@ -22,6 +22,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.vllm)
+            if item.get_closest_marker("timeout") is None:
+                # the first test of a module also pays for starting its servers (slow when the
+                # two cores are shared)
+                item.add_marker(pytest.mark.timeout(600))
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +60,7 @@ def pd_servers(tag: str, model: Path, logs: Path, p_config: dict[str, Any],
     d = VllmServer(f"{tag}-decode", model, logs, cpu_bind=d_bind,
                    args=(*common, *kv_config_args(d_config), *d_args),
                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side + 4), **(d_env or {})})
-    start_all([p, d])
+    start_all([p, d], timeout=420)
     try:
         yield p, d
     finally:

@@ -18,7 +18,8 @@ from vllm_harness import (
     Client, ProxyServer, RequestFailed, prefill, prompt_of, route_pd, run_concurrently,
 )
 
-KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+       "kv_connector_extra_config": {"transfer_timeout": 60}}
 D_LEASE_S = 6
 USAGE = "vllm:kv_cache_usage_perc"
 
