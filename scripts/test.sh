@@ -6,4 +6,10 @@ BIN=.venv/bin
 echo "== import-linter (layer contracts)"
 "$BIN/lint-imports"
 echo "== pytest"
-exec "$BIN/python" -m pytest -q -p no:cacheprovider "$@"
+select=()
+if ! "$BIN/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  # The GPU group needs CUDA hardware; it runs on a GPU host with: pytest -m gpu tests/gpu
+  echo "   (no CUDA GPU here: the GPU test group, marked 'gpu', is not selected)"
+  select=(-m "not gpu")
+fi
+exec "$BIN/python" -m pytest -q -p no:cacheprovider "${select[@]}" "$@"

@@ -1,0 +1,105 @@
+"""``kvxfer bench``: measure kvxfer against raw NIXL and the link limit in one run (layer: bench app).
+
+Example (two GPUs of one host, Llama-3-8B shape, fragmented block ids, 8k tokens)::
+
+    kvxfer bench --preset llama-3-8b --scenario same --ids fragmented --device gpu \\
+        --tokens 8192 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvxfer.bench.report import add_ratios, plot, table, write_json
+from kvxfer.bench.run import CPU_METHODS, GPU_METHODS, BenchConfig, run_bench
+from kvxfer.bench.scenarios import PRESETS, SCENARIOS
+from kvxfer.errors import KvxferError
+
+__all__ = ["main", "parser"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+
+
+def _mib(text: str) -> tuple[int, ...]:
+    return tuple(x << 20 for x in _ints(text))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS) + ["custom"],
+                   help="model cache shape; 'custom' takes --layers/--kv-heads/--head-dim/--dtype")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype")
+    p.add_argument("--mla", action="store_true", help="replicated latent cache (K only)")
+    p.add_argument("--scenario", default="same", choices=sorted(SCENARIOS))
+    p.add_argument("--ids", default="fragmented", choices=("contiguous", "fragmented"))
+    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--op", default="read", choices=("read", "write"),
+                   help="direction of kvxfer's staged path (raw NIXL baselines READ)")
+    p.add_argument("--tokens", type=_ints, default=(8192,), help="tokens per request; several = a sweep")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--methods", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                   help=f"default gpu: {','.join(GPU_METHODS)}; cpu: {','.join(CPU_METHODS)}")
+    p.add_argument("--producer-gpu", type=int, default=1)
+    p.add_argument("--consumer-gpu", type=int, default=0)
+    p.add_argument("--slot-mib", type=int, default=256, help="staging slot size (MiB)")
+    p.add_argument("--slots", type=int, default=4, help="staging slots per peer")
+    p.add_argument("--piece-mib", type=_mib, default=(0,),
+                   help="staged piece sizes to try (MiB, comma-separated; 0 = one slot)")
+    p.add_argument("--cache-factor", type=int, default=0,
+                   help="cache size in requests (fragmented ids spread over it); 0: 4 on gpu, 2 on cpu")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", help="write the full report here")
+    p.add_argument("--plot", help="write a GB/s vs tokens plot here (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    geometry = {k: v for k, v in (("num_layers", args.layers), ("num_kv_heads", args.kv_heads),
+                                  ("head_dim", args.head_dim), ("dtype", args.dtype)) if v is not None}
+    if args.mla:
+        geometry["mla"] = True
+    return BenchConfig(preset=args.preset, geometry=geometry, scenario=args.scenario, ids=args.ids,
+                       device=args.device, op=args.op, tokens=args.tokens, block_size=args.block_size,
+                       iters=args.iters, warmup=args.warmup, methods=args.methods,
+                       producer_gpu=args.producer_gpu, consumer_gpu=args.consumer_gpu,
+                       slot_bytes=args.slot_mib << 20, slots=args.slots, piece_bytes=args.piece_mib,
+                       seed=args.seed, cache_factor=args.cache_factor, progress=not args.quiet)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; prints the table (stdout). Returns 0, 1 if any timed transfer failed
+    verification or a method errored, 2 for bad arguments."""
+    args = parser().parse_args(argv)
+    try:
+        report = add_ratios(run_bench(config_from(args)))
+    except KvxferError as exc:
+        print(f"kvxfer bench: {exc}", file=sys.stderr)
+        return 2
+    print(table(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        plot(report, args.plot)
+    bad = [r for r in report["rows"] if r.get("failed") or "error" in r]
+    if bad:
+        print(json.dumps([{k: r.get(k) for k in ("tokens", "method", "failed", "error")} for r in bad]),
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

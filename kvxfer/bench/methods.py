@@ -1,0 +1,352 @@
+"""The transfer methods ``kvxfer bench`` times, consumer and producer halves (layer: bench app).
+
+Every consumer method returns ``{"times": [seconds per timed iteration], "verified": n_ok,
+"failed": n_bad, "descriptors": ..}``; before every iteration the destination is overwritten
+with random background bytes, after it the whole destination is compared byte for byte with
+the expected cache. Methods:
+
+* ``nixl-per-block``: raw NIXL, one descriptor per layer x K/V x block (what per-layer
+  connectors issue), prepared lists, one ``make_prepped_xfer`` per producer per request;
+* ``nixl-1desc``: raw NIXL, the request's bytes as one descriptor per producer (the link's
+  NIXL figure; moves contiguous buffers, not the cache);
+* ``kvxfer-staged-read`` / ``-write``: ``kvxfer.gpu.staged`` pipelines (pack, move, unpack);
+* ``kvxfer-ipc``: ``kvxfer.gpu`` single pass through CUDA IPC (same host only);
+* ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from kvxfer.backend.base import descs
+from kvxfer.bench.links import PeerLink
+from kvxfer.errors import TransferFailedError, TransferTimeoutError
+from kvxfer.types import Direction, MemKind, XferState
+
+__all__ = ["CONSUMER", "PRODUCER", "peer_copy"]
+
+_DEADLINE = 30.0
+
+
+def _loop(w: Any, iters: int, warmup: int, body: Callable[[int], float], key: str = "native",
+          poison: Callable[[], None] | None = None, verify: Callable[[], bool] | None = None) -> dict:
+    times, ok, bad = [], 0, 0
+    for it in range(warmup + iters):
+        (poison or (lambda: w.poison(key)))()
+        seconds = body(it)
+        good = (verify or (lambda: w.verify(key)))()
+        if it >= warmup:
+            times.append(seconds)
+            ok, bad = ok + good, bad + (not good)
+    return {"times": times, "verified": ok, "failed": bad}
+
+
+def _wait_all(backend: Any, xids: list[int], what: str) -> None:
+    deadline = time.monotonic() + _DEADLINE
+    pending = list(xids)
+    while pending:
+        still = []
+        for x in pending:
+            state = backend.state(x)
+            if state is XferState.PENDING:
+                still.append(x)
+                continue
+            backend.release(x)
+            if state is XferState.FAILED:
+                raise TransferFailedError(f"{what}: transfer failed")
+        pending = still
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError(f"{what}: not done after {_DEADLINE} s")
+
+
+def _contiguous(ts: int, hs: int, tokens: int, heads: int) -> bool:
+    return (hs == 1 and (ts == heads or tokens == 1)) or (ts == 1 and (hs == tokens or heads == 1))
+
+
+# ---- raw NIXL ------------------------------------------------------------------------
+def nixl_per_block(w, requests, tokens, iters, warmup, options):
+    """One descriptor per layer x K/V x block: what a per-layer connector posts."""
+    import dataclasses  # noqa: PLC0415
+
+    from kvxfer.gpu.pairs import direct_pairs  # noqa: PLC0415 - pure numpy tables
+    from kvxfer.layout.spec import CacheGeometry  # noqa: PLC0415
+
+    key = options.get("twin") or "native"
+    spec = w.cache.spec if key == "native" else dataclasses.replace(w.cache.spec, layout=key)
+    kind = w.cache.geometry.kind
+    posts, count = [], 0
+    for r in requests:
+        info = w.peers[r["name"]]
+        pairs = direct_pairs(r["spec"], CacheGeometry(info["bases"], info["device"], kind), r["ids"],
+                             spec, w.cache.geometry, r["local_ids"], tokens)
+        if not (_contiguous(pairs.src_ts, pairs.src_hs, pairs.tokens, pairs.heads)
+                and _contiguous(pairs.dst_ts, pairs.dst_hs, pairs.tokens, pairs.heads)):
+            return {"skipped": "not expressible as one descriptor per block (layouts differ)"}
+        local = descs(pairs.dst, pairs.pair_bytes, w.cache.geometry.device)
+        remote = descs(pairs.src, pairs.pair_bytes, info["device"])
+        lp = w.backend.prepare(None, local, kind)
+        rp = w.backend.prepare(r["name"], remote, MemKind(info["kind"]))
+        posts.append((r["name"], lp, rp, np.arange(pairs.n, dtype=np.int64)))
+        count += pairs.n
+
+    def body(it):
+        t0 = time.perf_counter()
+        xids = [w.backend.post_prepared(Direction.READ, lp, idx, rp, idx, name, b"")
+                for name, lp, rp, idx in posts]
+        _wait_all(w.backend, xids, "nixl-per-block")
+        return time.perf_counter() - t0
+
+    try:
+        result = _loop(w, iters, warmup, body, key)
+    finally:
+        for _, lp, rp, _ in posts:
+            w.backend.unprepare(lp)
+            w.backend.unprepare(rp)
+    result["descriptors"] = count
+    return result
+
+
+def nixl_1desc(w, requests, tokens, iters, warmup, options):
+    """The same byte count as one descriptor per producer, link buffer to link buffer."""
+    import torch  # noqa: PLC0415
+
+    total = options["request_bytes"]
+    share = total // len(requests)
+    kind = w.cache.geometry.kind
+    dev = w.cache.geometry.device
+    if share * len(requests) > w.link.numel():
+        return {"skipped": f"link buffer of {w.link.numel()} bytes < request {total}"}
+    expected = torch.empty_like(w.link[: share * len(requests)])
+    for i, r in enumerate(requests):
+        gen = torch.Generator(device=w.device)
+        gen.manual_seed(r["seed"] + 1)
+        src = torch.randint(0, 256, (w.peers[r["name"]]["link_bytes"],), dtype=torch.uint8,
+                            device=w.device, generator=gen)
+        expected[i * share:(i + 1) * share] = src[:share]
+    background = torch.randint(0, 256, expected.shape, dtype=torch.uint8, device=w.device)
+
+    def poison():
+        w.link[: expected.numel()].copy_(background)
+        w._sync()
+
+    def verify():
+        w._sync()
+        return bool(torch.equal(w.link[: expected.numel()], expected))
+
+    def body(it):
+        t0 = time.perf_counter()
+        xids = []
+        for i, r in enumerate(requests):
+            info = w.peers[r["name"]]
+            xids.append(w.backend.post(Direction.READ, descs([w.link.data_ptr() + i * share], share, dev),
+                                       kind, descs([info["link"]], share, info["device"]),
+                                       MemKind(info["kind"]), r["name"], b""))
+        _wait_all(w.backend, xids, "nixl-1desc")
+        return time.perf_counter() - t0
+
+    result = _loop(w, iters, warmup, body, poison=poison, verify=verify)
+    result["descriptors"] = len(requests)
+    return result
+
+
+# ---- kvxfer GPU paths ----------------------------------------------------------------------
+def _each(requests, fn) -> None:
+    """Run ``fn(index, request)`` for every producer, in threads when there are several."""
+    if len(requests) == 1:
+        fn(0, requests[0])
+        return
+    errors: list[BaseException] = []
+
+    def run(i, r):
+        try:
+            fn(i, r)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, r)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def staged(w, requests, tokens, iters, warmup, options, direction: str):
+    """Consumer half of ``kvxfer-staged-read`` / ``-write``."""
+    from kvxfer.gpu.pairs import unpack_pairs  # noqa: PLC0415
+    from kvxfer.gpu.staged import fetch_read, receive_write  # noqa: PLC0415
+
+    slot_bytes = options.get("piece_bytes") or w.area.slot_bytes
+    per = w.area.slots // len(requests)
+
+    def one(it, i, r):
+        info = w.peers[r["name"]]
+        deadline = time.monotonic() + _DEADLINE
+        unpack = unpack_pairs(r["spec"], r["ids"], w.cache.spec, w.cache.geometry, r["local_ids"], 0, tokens)
+        area = w.area.subset(i * per, per)
+        link = PeerLink(w.mailbox, r["name"])
+        if direction == "read":
+            trace: list = []
+            fetch_read(it, unpack, area, w.kernel, link, w.backend, r["name"],
+                       lambda s, base=info["staging"], sb=info["slot_bytes"]: base + s * sb,
+                       info["device"], deadline, slot_bytes, trace=trace)
+            traces[i] = [(what, piece, round((t - starts[it]) * 1e3, 3)) for what, piece, t in trace]
+        else:
+            receive_write(it, unpack, area, w.kernel, link, deadline, slot_bytes)
+
+    traces: dict[int, list] = {}
+    starts: dict[int, float] = {}
+
+    def body(it):
+        t0 = starts[it] = time.perf_counter()
+        for r in requests:
+            w.mailbox.send_go(r["name"], it)
+        _each(requests, lambda i, r: one(it, i, r))
+        return time.perf_counter() - t0
+
+    result = _loop(w, iters, warmup, body)
+    if traces:
+        result["trace_ms"] = traces  # the last iteration's steps, ms after GO, per producer
+    return result
+
+
+def ipc(w, requests, tokens, iters, warmup, options):
+    """Consumer half of ``kvxfer-ipc``: one pair-copy kernel per producer, reading through IPC."""
+    from kvxfer.gpu.pairs import direct_pairs  # noqa: PLC0415
+
+    cp = w.kernel.cp
+    with cp.cuda.Device(w.kernel.device):
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in requests]
+    for r in requests:
+        if "mapped" not in w.peers[r["name"]]:
+            return {"skipped": "peer cache not mapped through CUDA IPC (not on this host?)"}
+
+    host: list[float] = []
+    kernel = w.kernel if not options.get("unroll") else type(w.kernel)(w.kernel.device, unroll=options["unroll"])
+
+    def body(it):
+        t0 = time.perf_counter()
+        keep = []
+        for r, stream in zip(requests, streams):
+            mapped = w.peers[r["name"]]["mapped"].geometry
+            copy = direct_pairs(r["spec"], mapped, r["ids"], w.cache.spec, w.cache.geometry,
+                                r["local_ids"], tokens)
+            keep.append(kernel.launch(copy, stream.ptr))
+        host.append(time.perf_counter() - t0)  # tables built, uploaded and launched
+        for stream in streams:
+            stream.synchronize()
+        return time.perf_counter() - t0
+
+    result = _loop(w, iters, warmup, body)
+    result["host_ms"] = sorted(host)[len(host) // 2] * 1e3
+    return result
+
+
+def agent(w, requests, tokens, iters, warmup, options):
+    """Consumer half of ``kvxfer-agent``: ``Agent.read`` from the producer instance, end to end."""
+    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
+
+    ag = w.extra.get("agent")
+    if ag is None:
+        ag = Agent(f"{w.name}-agent", w.cache.spec, AgentConfig(side_channel_host="127.0.0.1",
+                                                                side_channel_port=options["port"] + 50))
+        ag.register(w.cache.tensors)
+        w.extra["agent"] = ag
+    remote = ("127.0.0.1", options["port"])
+    local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
+
+    def body(it):
+        t0 = time.perf_counter()
+        handle = ag.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}")
+        handle.wait(_DEADLINE)
+        w._sync()
+        return time.perf_counter() - t0
+
+    return _loop(w, iters, warmup, body)
+
+
+def peer_copy(w, src_device, nbytes, iters, warmup):
+    """torch ``copy_`` of ``nbytes`` from ``src_device`` to this process's GPU, verified."""
+    import torch  # noqa: PLC0415
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=w.device)
+    times, ok = [], 0
+    for it in range(warmup + iters):
+        dst.fill_(0xA5)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if it >= warmup:
+            times.append(seconds)
+            ok += bool(torch.equal(dst.to(src.device), src))
+    return {"times": times, "verified": ok, "failed": iters - ok, "descriptors": 1}
+
+
+# ---- producer halves ------------------------------------------------------------------------
+def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
+    from kvxfer.gpu.pairs import pack_pairs  # noqa: PLC0415
+    from kvxfer.gpu.staged import push_write, serve_read  # noqa: PLC0415
+
+    slot_bytes = options.get("piece_bytes") or w.area.slot_bytes
+    info = w.peers[consumer]
+    link = PeerLink(w.mailbox, consumer)
+    for _ in range(rounds):
+        it = w.mailbox.wait_go(consumer, time.monotonic() + _DEADLINE)
+        deadline = time.monotonic() + _DEADLINE
+        pack = pack_pairs(w.cache.spec, w.cache.geometry, request["ids"], request["consumer_spec"],
+                          request["local_ids"], 0, tokens)
+        if direction == "read":
+            serve_read(it, pack, w.area, w.kernel, link, deadline, slot_bytes)
+        else:
+            first, count = request["remote_slots"]
+            push_write(it, pack, w.area, w.kernel, link, w.backend, consumer,
+                       lambda s: info["staging"] + (first + s) * info["slot_bytes"], count,
+                       info["device"], deadline, slot_bytes)
+    return {"rounds": rounds}
+
+
+def serve_agent(w, consumer, request, tokens, rounds, options):
+    """Producer half of ``kvxfer-agent``: hold every round's request, wait until all are read."""
+    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
+
+    ag = w.extra.get("agent")
+    if ag is None:
+        spec = w.cache.spec
+        ag = Agent(f"{w.name}-agent", spec, AgentConfig(side_channel_host="127.0.0.1",
+                                                        side_channel_port=options["port"]))
+        ag.register(w.cache.tensors)
+        ag.listen()
+        w.extra["agent"] = ag
+    rids = [f"bench-{options['run']}-{i}" for i in range(rounds)]
+    for rid in rids:
+        ag.hold(rid, request["ids"])
+    deadline = time.monotonic() + _DEADLINE * 2
+    while any(ag.holding(rid) for rid in rids):
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError("kvxfer-agent: consumer did not finish every request")
+        time.sleep(1e-3)
+    return {"rounds": rounds}
+
+
+CONSUMER: dict[str, Callable[..., dict]] = {
+    "nixl-per-block": nixl_per_block,
+    "nixl-1desc": nixl_1desc,
+    "kvxfer-staged-read": lambda *a: staged(*a, direction="read"),
+    "kvxfer-staged-write": lambda *a: staged(*a, direction="write"),
+    "kvxfer-ipc": ipc,
+    "kvxfer-agent": agent,
+}
+
+PRODUCER: dict[str, Callable[..., dict]] = {
+    "kvxfer-staged-read": lambda *a: serve_staged(*a, direction="read"),
+    "kvxfer-staged-write": lambda *a: serve_staged(*a, direction="write"),
+    "kvxfer-agent": serve_agent,
+}

@@ -1,0 +1,80 @@
+"""Tables, ratios and plots of a ``kvxfer bench`` report (layer: bench app; matplotlib lazily)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["add_ratios", "table", "write_json", "plot"]
+
+#: Baselines each row is compared with, when the run measured them (same tokens, same run).
+BASELINES = ("peer-copy", "nixl-1desc", "nixl-per-block")
+
+
+def add_ratios(report: dict) -> dict:
+    """Add ``vs_<baseline>`` (this row's GB/s over the baseline's) to every timed row."""
+    by_tokens: dict[int, dict[str, float]] = {}
+    for row in report["rows"]:
+        if "gbps" in row:
+            by_tokens.setdefault(row["tokens"], {})[row["method"]] = row["gbps"]
+    for row in report["rows"]:
+        base = by_tokens.get(row["tokens"], {})
+        for name in BASELINES:
+            if "gbps" in row and name in base and row["method"] != name:
+                row[f"vs_{name}"] = row["gbps"] / base[name]
+    return report
+
+
+def table(report: dict) -> str:
+    """A fixed-width text table of every row, ratios included."""
+    present = [b for b in BASELINES if any(f"vs_{b}" in r for r in report["rows"])]
+    head = ["tokens", "method", "MiB", "median ms", "GB/s", "verified"] + [f"/ {b}" for b in present]
+    lines = []
+    for r in report["rows"]:
+        if "gbps" not in r:
+            why = r.get("skipped") or ("ERROR " + r.get("error", "?").strip().splitlines()[-1][:100])
+            lines.append([str(r["tokens"]), r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", why])
+            continue
+        cells = [str(r["tokens"]), r["method"], f"{r['bytes'] / 2**20:.0f}", f"{r['median_s'] * 1e3:.3f}",
+                 f"{r['gbps']:.1f}", f"{r['verified']}/{r['verified'] + r['failed']}"]
+        cells += [f"{r[f'vs_{b}']:.2f}" if f"vs_{b}" in r else "" for b in present]
+        lines.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *[ln + [""] * (len(head) - len(ln)) for ln in lines])]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(ln) for ln in lines])
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=_plain)
+
+
+def _plain(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def plot(report: dict, path: str) -> None:
+    """GB/s against tokens per request, one line per method (needs matplotlib)."""
+    import matplotlib  # noqa: PLC0415 - optional
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = sorted({r["method"] for r in report["rows"] if "gbps" in r})
+    for m in methods:
+        pts = sorted((r["tokens"], r["gbps"]) for r in report["rows"] if r["method"] == m and "gbps" in r)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per request")
+    ax.set_ylabel("GB/s")
+    sc = report.get("scenario", {})
+    ax.set_title(f"kvxfer bench: {sc.get('name', '')} ({report['config'].get('preset')}, "
+                 f"{report['config'].get('ids')} ids)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,240 @@
+"""Orchestrates one ``kvxfer bench`` run: start one process per agent, time every method on the same request (layer: bench app).
+
+``run_bench(BenchConfig)`` returns a JSON-ready dict: the configuration, the machine, and one
+row per (tokens, method) with every timed iteration, its median, GB/s and the verification
+counts. All rows of one run share processes, caches and block ids, so ratios are like for like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.bench.scenarios import PRESETS, Scenario, block_ids, build_scenario
+from kvxfer.errors import ConfigError
+
+__all__ = ["BenchConfig", "run_bench", "GPU_METHODS", "CPU_METHODS"]
+
+GPU_METHODS = ("peer-copy", "nixl-1desc", "nixl-per-block", "kvxfer-staged", "kvxfer-ipc")
+CPU_METHODS = ("nixl-1desc", "nixl-per-block", "kvxfer-agent")
+
+
+@dataclass
+class BenchConfig:
+    """Everything one run needs (the CLI fills it)."""
+
+    preset: str = "llama-3-8b"
+    geometry: dict = field(default_factory=dict)
+    scenario: str = "same"
+    ids: str = "fragmented"
+    device: str = "gpu"
+    op: str = "read"
+    tokens: tuple[int, ...] = (8192,)
+    block_size: int = 16
+    iters: int = 10
+    warmup: int = 2
+    methods: tuple[str, ...] = ()
+    producer_gpu: int = 1
+    consumer_gpu: int = 0
+    slot_bytes: int = 256 << 20
+    slots: int = 4
+    piece_bytes: tuple[int, ...] = (0,)
+    seed: int = 1234
+    cache_factor: int = 0  # cache blocks per request block; 0: 4 on GPU, 2 on CPU (host RAM is smaller)
+    port: int = 0
+    progress: bool = True
+
+    def model(self) -> dict:
+        if self.preset == "custom":
+            return dict(self.geometry)
+        if self.preset not in PRESETS:
+            raise ConfigError(f"preset must be one of {sorted(PRESETS) + ['custom']}; got {self.preset!r}")
+        return {**PRESETS[self.preset], **self.geometry}
+
+
+class _Proc:
+    def __init__(self, ctx: Any, label: str) -> None:
+        self.label = label
+        self.conn, child = ctx.Pipe()
+        from kvxfer.bench.worker import worker_main  # noqa: PLC0415
+
+        env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_"))}
+        self.proc = ctx.Process(target=worker_main, args=(child, env), name=label, daemon=True)
+        self.proc.start()
+
+    def send(self, cmd: str, **kwargs: Any) -> None:
+        self.conn.send((cmd, kwargs))
+
+    def recv(self, timeout: float = 600.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.label}: no reply in {timeout} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.label} failed:\n{value}")
+        return value
+
+    def call(self, cmd: str, **kwargs: Any) -> Any:
+        self.send(cmd, **kwargs)
+        return self.recv()
+
+    def stop(self) -> None:
+        try:
+            self.send("exit")
+            self.recv(60)
+        except Exception:  # the process may already be gone; reap it below
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _say(cfg: BenchConfig, msg: str) -> None:
+    if cfg.progress:
+        print(f"[kvxfer bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(result: dict, nbytes: int) -> dict:
+    times = result.get("times") or []
+    if not times:
+        return result
+    med = statistics.median(times)
+    q = sorted(times)
+    return {**result, "median_s": med, "min_s": q[0], "max_s": q[-1], "gbps": nbytes / med / 1e9}
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run every method of ``cfg`` on the same caches and requests; returns the report dict."""
+    gpu = cfg.device == "gpu"
+    # "kvxfer-staged" follows --op; the raw NIXL baselines always READ (NIXL moves both ways alike).
+    methods = tuple(f"kvxfer-staged-{cfg.op}" if m == "kvxfer-staged" else m
+                    for m in (cfg.methods or (GPU_METHODS if gpu else CPU_METHODS)))
+    max_tokens = max(cfg.tokens)
+    factor = cfg.cache_factor or (4 if gpu else 2)
+    scen = build_scenario(cfg.scenario, cfg.model(), max_tokens, cfg.block_size, factor)
+    dev_c = f"cuda:{cfg.consumer_gpu}" if gpu else "cpu"
+    dev_p = f"cuda:{cfg.producer_gpu}" if gpu else "cpu"
+    link_bytes = dataclasses.replace(scen, tokens=max_tokens).request_bytes
+    ctx = mp.get_context("spawn")
+    port = cfg.port or _free_port()
+    report: dict = {"config": {**dataclasses.asdict(cfg), "methods": list(methods)},
+                    "machine": _machine(gpu), "scenario": _describe(scen), "rows": []}
+    _say(cfg, f"starting {1 + len(scen.producers)} processes ({dev_p} -> {dev_c})")
+    consumer = _Proc(ctx, "consumer")
+    producers = [_Proc(ctx, f"producer{i}") for i in range(len(scen.producers))]
+    procs = [consumer, *producers]
+    try:
+        n = len(producers)
+        consumer.send("setup", name="bench-c", spec=scen.consumer, device=dev_c, seed=cfg.seed,
+                      link_bytes=link_bytes, slot_bytes=cfg.slot_bytes, slots=cfg.slots * n, ipc=False)
+        for i, (p, spec) in enumerate(zip(producers, scen.producers)):
+            p.send("setup", name=f"bench-p{i}", spec=spec, device=dev_p, seed=cfg.seed + 100 * (i + 1),
+                   link_bytes=link_bytes // n, slot_bytes=cfg.slot_bytes, slots=cfg.slots, ipc=gpu)
+        c_info = consumer.recv()
+        p_infos = [p.recv() for p in producers]
+        for info in p_infos:
+            info["map_ipc"] = gpu
+        consumer.call("connect", peers=p_infos)
+        for p in producers:
+            p.call("connect", peers=[c_info])
+        _say(cfg, "agents connected; caches filled with seeded random bytes")
+        for tokens in sorted(cfg.tokens):
+            _run_tokens(cfg, scen, tokens, methods, consumer, producers, p_infos, port, report, dev_p)
+    finally:
+        for p in procs:
+            p.stop()
+    return report
+
+
+def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, p_infos, port,
+                report, dev_p) -> None:
+    sc = dataclasses.replace(scen, tokens=tokens)
+    nbytes = sc.request_bytes
+    p_ids = block_ids(sc.producer_blocks, scen.producers[0].num_blocks, cfg.ids, cfg.seed + tokens)
+    c_ids = block_ids(sc.consumer_blocks, scen.consumer.num_blocks, cfg.ids, cfg.seed + 2 * tokens + 1)
+    requests = [{"name": info["name"], "spec": info["spec"], "seed": info["seed"], "ids": p_ids,
+                 "local_ids": c_ids, "consumer_spec": scen.consumer,
+                 "remote_slots": (i * cfg.slots, cfg.slots)} for i, info in enumerate(p_infos)]
+    got = consumer.call("expect", requests=requests, tokens=tokens)
+    _say(cfg, f"tokens={tokens}: {nbytes / 2**20:.1f} MiB per request, expected cache built "
+              f"({got['changed_bytes']} bytes differ from background)")
+    twin = None
+    if scen.producers[0].layout is not scen.consumer.layout:
+        twin = scen.producers[0].layout.value
+        consumer.call("expect", requests=requests, tokens=tokens, twin_layout=twin)
+    for method in methods:
+        for piece in (cfg.piece_bytes if method.startswith("kvxfer-staged") else (0,)):
+            label = method + (f"@{piece >> 20}MiB" if piece else "")
+            _say(cfg, f"tokens={tokens}: {label} x{cfg.iters} (+{cfg.warmup} warm-up)")
+            options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
+                       "run": f"{tokens}-{label}"}
+            t0 = time.monotonic()
+            try:
+                if method == "peer-copy":
+                    res = consumer.call("peer_copy", src_device=dev_p, nbytes=nbytes, iters=cfg.iters,
+                                        warmup=cfg.warmup)
+                else:
+                    for p, req in zip(producers, requests):
+                        p.send("serve", method=method, consumer="bench-c", request=req, tokens=tokens,
+                               rounds=cfg.iters + cfg.warmup, options=options)
+                    try:
+                        res = consumer.call("measure", method=method, requests=requests, tokens=tokens,
+                                            iters=cfg.iters, warmup=cfg.warmup, options=options)
+                    except Exception as exc:  # the consumer's error first; then reap the producers
+                        res = {"error": str(exc)[-3000:]}
+                    for p in producers:  # every producer replies once per serve, error or not
+                        try:
+                            p.recv(timeout=300)
+                        except Exception as exc:
+                            res.setdefault("producer_errors", []).append(str(exc)[-1500:])
+            except Exception as exc:  # one failing method must not hide the others' figures
+                res = {"error": str(exc)[-2000:]}
+            row = {"tokens": tokens, "method": label, "bytes": nbytes, "wall_s": time.monotonic() - t0,
+                   **_summary(res, nbytes)}
+            report["rows"].append(row)
+            _say(cfg, "   " + _short(row))
+
+
+def _short(row: dict) -> str:
+    if "error" in row:
+        return f"{row['method']}: ERROR " + " | ".join(row["error"].strip().splitlines()[-6:])[:900]
+    if "skipped" in row:
+        return f"{row['method']}: skipped ({row['skipped']})"
+    return (f"{row['method']}: {row['gbps']:.1f} GB/s, median {row['median_s'] * 1e3:.3f} ms, "
+            f"verified {row['verified']}/{row['verified'] + row['failed']}")
+
+
+def _describe(s: Scenario) -> dict:
+    c = s.consumer
+    return {"name": s.name, "consumer": repr(c), "producers": [repr(p) for p in s.producers],
+            "layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "dtype": c.dtype, "block_size": c.block_size, "mla": c.mla}
+
+
+def _machine(gpu: bool) -> dict:
+    out = {"host": platform.node(), "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "cpus": os.cpu_count()}
+    try:
+        import torch  # noqa: PLC0415
+
+        out["torch"] = torch.__version__
+        if gpu and torch.cuda.is_available():
+            out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return out

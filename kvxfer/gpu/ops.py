@@ -1,0 +1,254 @@
+"""Executors for ``PairCopy`` tables: one fused CUDA kernel, and a numpy twin for host memory and tests (layer: gpu; cupy is imported lazily, never nixl/zmq).
+
+The CUDA kernel (compiled once per process with NVRTC through cupy) gives every thread block
+one pair at a time and lets its threads walk the pair's ``tokens x heads x vector`` box in
+the widest unit that every address allows (16-byte loads for bf16 head vectors), four loads
+in flight per thread before the stores. Gathering a request's fragmented blocks, slicing heads
+and permuting HND<->NHD therefore cost one pass over the bytes at HBM speed, and the same kernel
+reads a peer GPU's cache through CUDA IPC for the same-host single pass.
+
+Contracts: the launch is asynchronous on the given CUDA stream; the address arrays it uploads
+stay alive in the returned ``Launch`` until the caller drops it after the stream has passed it.
+Source and destination boxes must not overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import ConfigError
+from kvxfer.gpu.pairs import PairCopy, Side
+
+__all__ = ["PairKernel", "Launch", "pair_copy_numpy", "vector_offsets"]
+
+_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+
+_SOURCE_HEAD = r"""
+struct KvxSide {
+    const unsigned long long* bases;  /* per-region bases, or 0 for a staging side */
+    const long long* ids;             /* block ids (cache side) */
+    unsigned long long base;          /* staging base (staging side) */
+    long long stride;                 /* block stride, or pair bytes for staging */
+    long long bs, ts, hs, head;
+};
+
+__device__ __forceinline__ unsigned long long kvx_addr(const KvxSide& s, long long p, long long n_chunks,
+                                                       long long chunk, long long vb) {
+    if (s.bases == 0) return s.base + (unsigned long long)(p * s.stride);
+    long long r = p / n_chunks, tok = (p - r * n_chunks) * chunk;
+    long long blk = s.ids[tok / s.bs];
+    return s.bases[r] + (unsigned long long)(blk * s.stride + ((tok % s.bs) * s.ts + s.head * s.hs) * vb);
+}
+
+#define KVX_PAIR_COPY(NAME, T, UNROLL)                                                       \
+extern "C" __global__ void NAME(long long p0, long long n_pairs, long long n_chunks, int tokens,\
+                                int heads, int vu, long long vb, int h_outer, int flat,       \
+    unsigned long long sb, unsigned long long si, unsigned long long s0, long long s1,         \
+    long long s2, long long s3, long long s4, long long s5,                                   \
+    unsigned long long db, unsigned long long di, unsigned long long d0, long long d1,         \
+    long long d2, long long d3, long long d4, long long d5)                                   \
+{                                                                                             \
+    const KvxSide S = {(const unsigned long long*)sb, (const long long*)si, s0, s1, s2, s3, s4, s5}; \
+    const KvxSide D = {(const unsigned long long*)db, (const long long*)di, d0, d1, d2, d3, d4, d5}; \
+    const int per = tokens * heads * vu;                                                      \
+    for (long long q = blockIdx.x; q < n_pairs; q += gridDim.x) {                             \
+        const T* __restrict__ s = (const T*)kvx_addr(S, p0 + q, n_chunks, tokens, vb);       \
+        T* __restrict__ d = (T*)kvx_addr(D, p0 + q, n_chunks, tokens, vb);                   \
+        for (int base = threadIdx.x; base < per; base += UNROLL * blockDim.x) {              \
+            T buf[UNROLL];                                                                    \
+            long long off[UNROLL];                                                            \
+            _Pragma("unroll")                                                                 \
+            for (int u = 0; u < UNROLL; ++u) {                                                \
+                int i = base + u * blockDim.x;                                                \
+                if (i < per && flat) { buf[u] = s[i]; off[u] = i; }                           \
+                else if (i < per) {                                                           \
+                    int v = i % vu, r = i / vu, t, h;                                         \
+                    if (h_outer) { t = r % tokens; h = r / tokens; }                          \
+                    else { h = r % heads; t = r / heads; }                                    \
+                    buf[u] = s[(t * S.ts + h * S.hs) * vu + v];                               \
+                    off[u] = (t * D.ts + h * D.hs) * vu + v;                                  \
+                }                                                                             \
+            }                                                                                 \
+            _Pragma("unroll")                                                                 \
+            for (int u = 0; u < UNROLL; ++u) {                                                \
+                if (base + u * blockDim.x < per) d[off[u]] = buf[u];                          \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+"""
+
+
+def _kernel_source() -> tuple[str, list[str]]:
+    names, lines = [], [_SOURCE_HEAD]
+    for width, ctype in _UNITS.items():
+        for unroll in (4, 8):
+            name = f"kvx_pair_copy_{width}_u{unroll}"
+            names.append(name)
+            lines.append(f"KVX_PAIR_COPY({name}, {ctype}, {unroll})")
+    return "\n".join(lines), names
+
+
+@dataclass
+class Launch:
+    """Keeps a launch's device address arrays alive; drop it once its stream has passed the kernel."""
+
+    addresses: Any
+    nbytes: int
+
+
+class PairKernel:
+    """The pair-copy kernel for one CUDA device (compiled lazily, shared by all tables).
+
+    Args:
+        device: CUDA ordinal the kernel runs on (the copying GPU; its peers' memory may be read
+            when peer access / CUDA IPC mapping allows it).
+        threads: threads per block (256 by default).
+        unroll: loads in flight per thread before storing: 4 or 8.
+
+    Raises:
+        ConfigError: cupy is not importable (the GPU path needs it), or bad arguments.
+    """
+
+    _lock = threading.Lock()
+    _modules: dict[int, Any] = {}
+
+    def __init__(self, device: int = 0, threads: int = 256, unroll: int = 8) -> None:
+        if unroll not in (4, 8):
+            raise ConfigError(f"unroll must be 4 or 8; got {unroll!r}")
+        if threads <= 0 or threads % 32 or threads > 1024:
+            raise ConfigError(f"threads must be a multiple of 32 in [32, 1024]; got {threads!r}")
+        self.cp = _cupy()
+        self.device = int(device)
+        self.threads = threads
+        self.unroll = unroll
+        self._uploads: dict[tuple, Any] = {}
+        self._streams: dict[int, Any] = {}
+        with self.cp.cuda.Device(self.device):
+            self._sms = self.cp.cuda.Device(self.device).attributes["MultiProcessorCount"]
+            self._module = self._compile()
+
+    def _compile(self) -> Any:
+        with PairKernel._lock:
+            module = PairKernel._modules.get(self.device)
+            if module is None:
+                source, names = _kernel_source()
+                module = self.cp.RawModule(code=source, options=("-std=c++14",), name_expressions=None)
+                for name in names:  # compile now, not inside a timed launch
+                    module.get_function(name)
+                PairKernel._modules[self.device] = module
+            return module
+
+    def _upload(self, arr: np.ndarray, dtype: Any) -> Any:
+        """Device copy of a small host array, cached by content (region bases, block ids)."""
+        key = (arr.dtype.str, arr.tobytes())
+        dev = self._uploads.get(key)
+        if dev is None:
+            if len(self._uploads) > 64:
+                self._uploads.clear()
+            host = np.ascontiguousarray(arr, dtype=dtype)
+            dev = self.cp.empty(host.shape, dtype=host.dtype)
+            # A synchronous copy: the array is complete before any stream's kernel may use it.
+            self.cp.cuda.runtime.memcpy(dev.data.ptr, host.ctypes.data, host.nbytes,
+                                        self.cp.cuda.runtime.memcpyHostToDevice)
+            self._uploads[key] = dev
+        return dev
+
+    def _side(self, side: Side, keep: list) -> list:
+        """The kernel's 8 arguments for one ``KvxSide`` (arrays uploaded and kept alive in ``keep``)."""
+        if side.bases is None:
+            ptrs = (0, 0, side.base)
+        else:
+            bases, ids = self._upload(side.bases, np.uint64), self._upload(side.ids, np.int64)
+            keep += [bases, ids]
+            ptrs = (bases.data.ptr, ids.data.ptr, 0)
+        return [np.uint64(x) for x in ptrs] + [np.int64(x) for x in
+                                                (side.stride, side.block_size, side.ts, side.hs, side.head)]
+
+    def launch(self, copy: PairCopy, stream: int | None = None) -> Launch | None:
+        """Enqueue ``copy`` on ``stream`` (a ``cudaStream_t`` as int; None: cupy's current stream).
+
+        Returns a ``Launch`` to hold until the stream has passed the kernel (None if there is
+        nothing to copy).
+        """
+        if copy.n == 0:
+            return None
+        cp = self.cp
+        width = copy.alignment()
+        vu = copy.vector_bytes // width
+        fn = self._module.get_function(f"kvx_pair_copy_{width}_u{self.unroll}")
+        # Walk the box in the order the source is contiguous in (heads outer for HND sources).
+        h_outer = int(copy.src_ts == 1 and copy.heads > 1)
+        # Both boxes dense and walked in the same order: each pair is one flat run of bytes.
+        same = (copy.src_ts, copy.src_hs) == (copy.dst_ts, copy.dst_hs)
+        if h_outer:
+            dense = copy.src_hs == copy.tokens
+        else:
+            dense = copy.src_ts == copy.heads and (copy.src_hs == 1 or copy.heads == 1)
+        flat = int(same and dense)
+        blocks = int(min(copy.n, self._sms * 16))
+        with contextlib.ExitStack() as scope:
+            if cp.cuda.runtime.getDevice() != self.device:
+                scope.enter_context(cp.cuda.Device(self.device))
+            if stream is not None:
+                ext = self._streams.get(stream)
+                if ext is None:  # wrapping a stream costs host time: once per stream handle
+                    if len(self._streams) > 256:
+                        self._streams.clear()
+                    ext = self._streams[stream] = cp.cuda.ExternalStream(stream)
+                scope.enter_context(ext)
+            keep: list = []
+            sides = self._side(copy.src_side, keep) + self._side(copy.dst_side, keep)
+            fn((blocks,), (self.threads,),
+               (np.int64(copy.p0), np.int64(copy.n), np.int64(copy.n_chunks), np.int32(copy.tokens),
+                np.int32(copy.heads), np.int32(vu), np.int64(copy.vector_bytes), np.int32(h_outer),
+                np.int32(flat), *sides))
+        return Launch(keep, copy.nbytes)
+
+
+def _cupy() -> Any:
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency, imported on first GPU use
+    except ImportError as exc:
+        raise ConfigError("the GPU path needs cupy (pip install cupy-cuda12x or cupy-cuda13x); "
+                          f"import failed: {exc}") from exc
+    return cupy
+
+
+def vector_offsets(copy: PairCopy) -> tuple[np.ndarray, np.ndarray]:
+    """Byte addresses (uint64) of every vector the copy reads and writes, in box order.
+
+    For tests and host-memory execution; ``n * tokens * heads`` entries each.
+    """
+    t = np.arange(copy.tokens, dtype=np.uint64)[:, None]
+    h = np.arange(copy.heads, dtype=np.uint64)[None, :]
+    vb = np.uint64(copy.vector_bytes)
+    s_in = ((t * np.uint64(copy.src_ts) + h * np.uint64(copy.src_hs)) * vb).reshape(-1)
+    d_in = ((t * np.uint64(copy.dst_ts) + h * np.uint64(copy.dst_hs)) * vb).reshape(-1)
+    return ((copy.src[:, None] + s_in[None, :]).reshape(-1),
+            (copy.dst[:, None] + d_in[None, :]).reshape(-1))
+
+
+def pair_copy_numpy(copy: PairCopy, memory: np.ndarray, base: int | None = None) -> None:
+    """Execute ``copy`` on host bytes: addresses are ``base`` + offsets into the uint8 array ``memory``.
+
+    ``base`` defaults to ``memory``'s own address, so tables built from real host addresses work.
+    Raises ConfigError when any vector falls outside ``memory``.
+    """
+    mem = memory.reshape(-1).view(np.uint8)
+    base = int(mem.ctypes.data) if base is None else int(base)
+    src, dst = vector_offsets(copy)
+    vb = copy.vector_bytes
+    for name, arr in (("source", src), ("destination", dst)):
+        if arr.size and (int(arr.min()) < base or int(arr.max()) + vb > base + mem.size):
+            raise ConfigError(f"{name} vectors must lie in [{base:#x}, {base + mem.size:#x}); got "
+                              f"[{int(arr.min()):#x}, {int(arr.max()) + vb:#x})")
+    lanes = np.arange(vb, dtype=np.int64)[None, :]
+    s = (src.astype(np.int64) - base)[:, None] + lanes
+    d = (dst.astype(np.int64) - base)[:, None] + lanes
+    mem[d] = mem[s]

@@ -1,0 +1,63 @@
+"""`kvxfer bench`'s pure parts: presets x scenarios give valid specs, id patterns, ratios and the table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.bench.cli import config_from, parser
+from kvxfer.bench.report import add_ratios, table
+from kvxfer.bench.scenarios import PRESETS, SCENARIOS, block_ids, build_scenario
+from kvxfer.errors import ConfigError
+from kvxfer.gpu.pairs import pack_pairs
+from kvxfer.layout.spec import CacheGeometry
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_preset_and_scenario_builds_matching_tables(preset, scenario):
+    geo = PRESETS[preset]
+    if geo.get("mla") and scenario == "packed":
+        with pytest.raises(ConfigError, match="MLA"):
+            build_scenario(scenario, geo, 256)
+        return
+    if not geo.get("mla") and geo["num_kv_heads"] % max(SCENARIOS[scenario][:2]):
+        with pytest.raises(ConfigError, match="divisible"):
+            build_scenario(scenario, geo, 256)
+        return
+    sc = build_scenario(scenario, geo, 256)
+    ids = np.arange(sc.producer_blocks)
+    total = 0
+    for p in sc.producers:
+        copy = pack_pairs(p, CacheGeometry.contiguous(p, 1 << 30), ids, sc.consumer, ids)
+        total += copy.nbytes
+    assert total == sc.request_bytes  # the producers together deliver exactly the consumer's share
+
+
+def test_block_id_patterns():
+    c = block_ids(8, 100, "contiguous", 1)
+    assert np.array_equal(c, np.arange(c[0], c[0] + 8))
+    f = block_ids(8, 100, "fragmented", 1)
+    assert len(set(f.tolist())) == 8 and f.max() < 100
+    with pytest.raises(ConfigError):
+        block_ids(101, 100, "fragmented", 1)
+
+
+def test_ratios_and_table():
+    report = {"rows": [
+        {"tokens": 8, "method": "peer-copy", "bytes": 2**30, "gbps": 400.0, "median_s": 0.0027, "verified": 5, "failed": 0},
+        {"tokens": 8, "method": "kvxfer-ipc", "bytes": 2**30, "gbps": 360.0, "median_s": 0.003, "verified": 5, "failed": 0},
+        {"tokens": 8, "method": "kvxfer-staged-read", "bytes": 2**30, "error": "boom\nTransferTimeoutError: late"},
+    ]}
+    add_ratios(report)
+    assert report["rows"][1]["vs_peer-copy"] == pytest.approx(0.9)
+    text = table(report)
+    assert "0.90" in text and "TransferTimeoutError: late" in text
+
+
+def test_cli_parses_a_full_command():
+    args = parser().parse_args(["--preset", "custom", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                                "--tokens", "16,32", "--piece-mib", "0,64", "--device", "cpu"])
+    cfg = config_from(args)
+    assert cfg.model() == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64}
+    assert cfg.tokens == (16, 32) and cfg.piece_bytes == (0, 64 << 20)
