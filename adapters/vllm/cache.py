@@ -1,0 +1,142 @@
+"""Turn the KV-cache tensors vLLM hands a worker into a kvxfer ``KVSpec`` plus the tensors ``Agent.register`` takes.
+
+vLLM gives one tensor per attention layer; their logical shape depends on the attention
+backend and their memory order on the KV-cache layout (LBHNC, LBNHC, BLHNC, ...). This
+module reads the strides to find where K/V, blocks, heads and tokens sit in memory, and
+describes that with kvxfer's vocabulary (layout NHD/HND, storage split/packed/cross_layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvxfer import KVSpec, LayoutError, Storage
+
+#: kvxfer's name of the CPU backend's storage, should kvxfer define it (see ``_cpu_interleaved``).
+HEAD_PACKED = "head_packed"
+
+
+@dataclass(frozen=True)
+class CacheDescription:
+    """A worker's cache in kvxfer's terms.
+
+    ``head_slices_exact`` is False when the spec reproduces whole blocks byte for byte but
+    not the position of single heads inside a block: transfers are then exact only with a
+    peer of the same TP size and layout (the worker refuses the others).
+    """
+
+    spec: KVSpec
+    tensors: list[torch.Tensor]
+    head_slices_exact: bool = True
+    note: str = ""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _flat(t: torch.Tensor, numel: int, offset_elems: int = 0) -> torch.Tensor:
+    """A 1-D dense view of ``numel`` elements starting ``offset_elems`` after ``t``'s first element."""
+    return t.as_strided((numel,), (1,), t.storage_offset() + offset_elems)
+
+
+def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_size: int,
+                   num_kv_heads: int, head_size: int, tp_rank: int, tp_size: int,
+                   model: str, mla: bool = False) -> CacheDescription:
+    """Describe vLLM's per-layer KV tensors (in layer order).
+
+    Args:
+        num_kv_heads: KV heads of the whole model (kvxfer slices them by ``tp_size``).
+        head_size: elements per head vector (the latent size for MLA).
+
+    Raises:
+        LayoutError: a shape or memory order this adapter does not know (names both).
+    """
+    tensors = list(kv_caches)
+    if not tensors:
+        raise LayoutError("expected at least one KV-cache tensor; got none")
+    first = tensors[0]
+    if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors):
+        raise LayoutError("expected every layer's KV tensor to share one shape and dtype; got "
+                          f"{sorted({(tuple(t.shape), str(t.dtype)) for t in tensors})}")
+    common = dict(num_layers=len(tensors), num_kv_heads=1 if mla else num_kv_heads,
+                  head_dim=head_size, block_size=block_size, num_blocks=num_blocks,
+                  dtype=dtype_name(first.dtype), tp_rank=tp_rank, tp_size=tp_size, model=model)
+    heads = 1 if mla else max(1, num_kv_heads // tp_size)
+    shape = tuple(first.shape)
+    if mla:
+        return _mla(tensors, shape, common, heads)
+    if shape == (num_blocks, heads, block_size, 2 * head_size):
+        return _cpu_interleaved(tensors, common, heads)
+    if len(shape) == 5:
+        return _five_dim(tensors, shape, common, heads)
+    raise LayoutError(f"unknown KV-cache tensor shape {shape} (blocks={num_blocks}, heads={heads}, "
+                      f"block_size={block_size}, head_size={head_size})")
+
+
+def _mla(tensors: list[torch.Tensor], shape: tuple[int, ...], common: dict[str, Any],
+         heads: int) -> CacheDescription:
+    n, bs, d = common["num_blocks"], common["block_size"], common["head_dim"]
+    if shape != (n, bs, d) or not all(t.is_contiguous() for t in tensors):
+        raise LayoutError(f"expected a dense MLA cache [{n}, {bs}, {d}] per layer; got {shape}")
+    spec = KVSpec(**common, mla=True, layout="NHD", storage="split")
+    return CacheDescription(spec, [t.view(-1) for t in tensors])
+
+
+def _cpu_interleaved(tensors: list[torch.Tensor], common: dict[str, Any], heads: int) -> CacheDescription:
+    """vLLM's CPU backend: per layer ``[blocks, heads, tokens, 2*head_dim]``, read as
+    ``[blocks, heads, 2, tokens, head_dim]``: each head keeps its K then its V inside a block."""
+    if not all(t.is_contiguous() for t in tensors):
+        raise LayoutError("expected dense CPU KV-cache tensors; got a strided view")
+    flat = [t.view(-1) for t in tensors]
+    if HEAD_PACKED in {s.value for s in Storage}:
+        return CacheDescription(KVSpec(**common, layout="HND", storage=HEAD_PACKED), flat)
+    # kvxfer has no storage for a per-head K/V interleave yet. Described as ``packed`` HND, a
+    # whole block is the same bytes on both sides (K half + V half = the block), so equal
+    # specs transfer exactly; head slices would land in the wrong place.
+    return CacheDescription(KVSpec(**common, layout="HND", storage="packed"), flat,
+                            head_slices_exact=False,
+                            note="CPU backend K/V interleave described as packed HND")
+
+
+def _five_dim(tensors: list[torch.Tensor], shape: tuple[int, ...], common: dict[str, Any],
+              heads: int) -> CacheDescription:
+    """``(2, blocks, tokens, heads, dim)`` (flash-attn family) or ``(blocks, 2, tokens, heads, dim)``
+    (flashinfer), in any memory order vLLM's KV-cache layouts give them."""
+    n, bs, d, L = common["num_blocks"], common["block_size"], common["head_dim"], common["num_layers"]
+    if shape == (2, n, bs, heads, d):
+        kv, blk, tok, head = 0, 1, 2, 3
+    elif shape == (n, 2, bs, heads, d):
+        kv, blk, tok, head = 1, 0, 2, 3
+    else:
+        raise LayoutError(f"unknown 5-D KV-cache shape {shape}; expected (2, {n}, {bs}, {heads}, {d}) "
+                          f"or ({n}, 2, {bs}, {heads}, {d})")
+    t = tensors[0]
+    st = t.stride()
+    if st[4] != 1:
+        raise LayoutError(f"expected head vectors dense (stride 1); got strides {st}")
+    vec = heads * bs * d  # elements of one block of one region
+    if st[head] == d and st[tok] == heads * d:
+        layout = "NHD"
+    elif st[tok] == d and st[head] == bs * d:
+        layout = "HND"
+    else:
+        raise LayoutError(f"block interior is neither NHD nor HND dense; strides {st}")
+    item = t.element_size()
+    if st[kv] == n * st[blk] and st[blk] == vec:
+        storage, per_layer = "split", 2 * n * vec
+    elif st[blk] == 2 * vec and st[kv] == vec:
+        storage, per_layer = "packed", 2 * n * vec
+    elif st[kv] == vec and st[blk] == L * 2 * vec:
+        bases = [x.data_ptr() for x in tensors]
+        if any(b - bases[0] != i * 2 * vec * item for i, b in enumerate(bases)):
+            raise LayoutError("cross-layer KV tensors are not consecutive layers of one block row")
+        spec = KVSpec(**common, layout=layout, storage="cross_layer")
+        return CacheDescription(spec, [_flat(t, n * L * 2 * vec)])
+    else:
+        raise LayoutError(f"unknown K/V and block placement: strides {st} for shape {shape}")
+    spec = KVSpec(**common, layout=layout, storage=storage)
+    return CacheDescription(spec, [_flat(x, per_layer) for x in tensors])

@@ -1,0 +1,162 @@
+"""Scheduler side of KvxferConnector: decides what to hold, load and release, and answers the proxy.
+
+Runs in vLLM's engine-core process, without an Agent: it turns request events into
+``StepOrders`` for the workers and writes the kv_transfer_params the prefill instance returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvxfer_vllm.metadata import LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
+from kvxfer_vllm.params import (
+    BadParams, RemotePrefill, producer_answer, wants_remote_decode, wants_remote_prefill,
+)
+from kvxfer_vllm.settings import Settings
+
+log = logging.getLogger("vllm.kvxfer_vllm.scheduler")
+
+
+class KvxferScheduler:
+    """Per-engine bookkeeping of P/D requests.
+
+    Producer (``do_remote_decode``): the step that completes a prompt orders the workers to
+    hold its blocks; ``request_finished`` keeps the blocks (returns True) and answers with
+    the params a decoder needs, or drops the hold when the request did not end normally.
+    Consumer (``do_remote_prefill``): the whole prompt is loaded asynchronously into the
+    blocks the local prefix cache does not already cover; an abort cancels the load.
+    """
+
+    def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int) -> None:
+        self._settings = settings
+        self._engine_id = engine_id
+        self._tp_size = tp_size
+        self._block_size = block_size
+        self._address: WorkerAddress | None = None
+        self._kv_cache_manager: Any = None
+        self._producing: dict[str, Any] = {}          # request id -> Request, prompt not yet held
+        self._held: dict[str, tuple[int, ...]] = {}   # request id -> blocks the workers hold
+        self._loading: set[str] = set()               # consumer requests with a load in flight
+        self._orders = StepOrders()
+
+    # ---- wiring ----------------------------------------------------------------------
+    def bind(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def set_addresses(self, addresses: dict[int, Any]) -> None:
+        """The workers' side-channel addresses (vLLM collects them after KV-cache registration)."""
+        head = addresses.get(0)
+        if isinstance(head, WorkerAddress):
+            self._address = head
+
+    # ---- consumer --------------------------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens to load from the producer beyond those computed locally (no side effects)."""
+        params = request.kv_transfer_params
+        if not self._settings.consumes or not wants_remote_prefill(params):
+            return 0, False
+        try:
+            remote = RemotePrefill.parse(params)
+        except BadParams:
+            return 0, False  # reported once in after_alloc
+        count = remote.tokens_available(request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if wants_remote_decode(params) and self._settings.produces:
+            self._producing[request.request_id] = request
+            return
+        if not wants_remote_prefill(params):
+            return
+        params["do_remote_prefill"] = False  # one load per request, even if called again
+        try:
+            remote = RemotePrefill.parse(params)
+        except BadParams as exc:
+            log.warning("kvxfer: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
+            return
+        if not self._settings.consumes:
+            log.info("kvxfer: %s asks for a remote prefill but kv_role=%s; computing locally",
+                     request.request_id, self._settings.role)
+        if num_external_tokens <= 0 or not self._settings.consumes:
+            # nothing to pull (the local prefix cache had it all, or we do not consume): free the producer
+            self._orders.releases.append(ReleaseOrder(remote.request_id, remote.host, remote.port))
+            return
+        every = _first_group(blocks.get_block_ids())
+        fresh = _first_group(blocks.get_unhashed_block_ids_all_groups())
+        skip = len(every) - len(fresh)           # leading blocks served by the local prefix cache
+        count = max(0, min(len(fresh), len(remote.block_ids) - skip))
+        self._orders.loads.append(LoadOrder(
+            request.request_id, remote.request_id, remote.host, remote.port,
+            tuple(fresh[:count]), tuple(remote.block_ids[skip:skip + count]), remote.tp_size))
+        self._loading.add(request.request_id)
+
+    # ---- every step ------------------------------------------------------------------
+    def build_orders(self, scheduler_output: Any) -> StepOrders:
+        """This step's orders; holds for every producer request whose prompt completes in it."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, request in list(self._producing.items()):
+            n = scheduled.get(request_id, 0)
+            if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
+                blocks = _first_group(self._kv_cache_manager.get_block_ids(request_id))
+                self._orders.holds[request_id] = blocks
+                self._held[request_id] = blocks
+                del self._producing[request_id]
+        orders, self._orders = self._orders, StepOrders()
+        return orders
+
+    def update(self, connector_output: Any) -> None:
+        for request_id in connector_output.finished_recving or ():
+            self._loading.discard(request_id)
+
+    # ---- end of a request ------------------------------------------------------------
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks (True) and answer with kv_transfer_params, or let vLLM free them."""
+        from vllm.v1.request import RequestStatus
+
+        request_id = request.request_id
+        params = request.kv_transfer_params
+        self._producing.pop(request_id, None)
+        if wants_remote_prefill(params):
+            # aborted before it was ever scheduled: the producer still holds the blocks
+            params["do_remote_prefill"] = False
+            try:
+                remote = RemotePrefill.parse(params)
+                self._orders.releases.append(ReleaseOrder(remote.request_id, remote.host, remote.port))
+            except BadParams:
+                pass
+            return False, None
+        if request_id in self._loading:
+            self._orders.cancels.add(request_id)  # vLLM keeps its blocks until we report the load
+            return False, None
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False, None
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        final = _first_group(block_ids)
+        if not normal or not final:
+            self._orders.dropped.add(request_id)
+            return False, None
+        if final != held:
+            self._orders.holds[request_id] = final   # decoded past the prompt: hold every block
+        if self._address is None:  # vLLM did not hand us the workers' address: nobody can pull
+            log.error("kvxfer: no side-channel address from the workers; %s is not kept for a decoder",
+                      request_id)
+            self._orders.dropped.add(request_id)
+            return False, None
+        self._orders.kept.add(request_id)
+        return True, producer_answer(
+            request_id=request_id, block_ids=final, engine_id=self._address.engine_id,
+            host=self._address.host, port=self._address.port, tp_size=self._tp_size,
+            num_tokens=request.num_computed_tokens)
+
+
+def _first_group(block_ids: Any) -> tuple[int, ...]:
+    """Block ids of the (only) KV-cache group: vLLM passes a flat list to connectors without
+    hybrid-allocator support and one list per group elsewhere."""
+    if not block_ids:
+        return ()
+    if isinstance(block_ids[0], (list, tuple)):
+        return tuple(block_ids[0])
+    return tuple(block_ids)
