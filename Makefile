@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test test-slow lint bench venv clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -13,6 +13,9 @@ demo: venv
 
 test: venv
 	@bash scripts/test.sh
+
+test-slow: venv
+	KVXFER_TEST_MARKS=slow bash scripts/test.sh
 
 lint: venv
 	$(BIN)/lint-imports

@@ -6,10 +6,11 @@ BIN=.venv/bin
 echo "== import-linter (layer contracts)"
 "$BIN/lint-imports"
 echo "== pytest"
-select=()
+# 'slow' (real vLLM with TP=2 prefill, 10-15 min on 2 cores) runs with `make test-slow`.
+marks="not slow"
 if ! "$BIN/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  # The GPU group needs CUDA hardware; it runs on a GPU host with: pytest -m gpu tests/gpu
+  # The GPU group needs CUDA hardware; on a GPU host it runs with: pytest -m gpu tests/gpu
   echo "   (no CUDA GPU here: the GPU test group, marked 'gpu', is not selected)"
-  select=(-m "not gpu")
+  marks="$marks and not gpu"
 fi
-exec "$BIN/python" -m pytest -q -p no:cacheprovider "${select[@]}" "$@"
+exec "$BIN/python" -m pytest -q -p no:cacheprovider -m "${KVXFER_TEST_MARKS:-$marks}" "$@"
