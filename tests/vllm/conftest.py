@@ -52,7 +52,9 @@ def pd_servers(tag: str, model: Path, logs: Path, p_config: dict[str, Any],
                p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
                ) -> Iterator[tuple[VllmServer, VllmServer]]:
     """Start a prefill and a decode server (side channels on fresh ports), yield them, stop both."""
-    common = ("--block-size", str(BLOCK_SIZE))
+    # float32: in bf16 a batch of concurrent requests can round differently from the same
+    # request alone and flip a greedy token; the comparisons here are about the KV moved.
+    common = ("--block-size", str(BLOCK_SIZE), "--dtype", "float32")
     side = free_port(8)  # P's side channel at side, D's at side+4 (room for TP/DP ranks)
     p = VllmServer(f"{tag}-prefill", model, logs, cpu_bind=p_bind,
                    args=(*common, *kv_config_args(p_config), *p_args),
