@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import ConfigError
+from kvxfer.types import MemKind, Region
 
-__all__ = ["as_enum", "check_indices", "check_pair", "descriptor_table"]
+__all__ = ["as_enum", "check_indices", "check_pair", "check_regions", "descriptor_table"]
 
 
 def as_enum(cls: type, value: Any, what: str) -> Any:
@@ -59,3 +60,15 @@ def check_indices(idx: np.ndarray, count: int, side: str) -> np.ndarray:
     if lo < 0 or hi >= count:
         raise ConfigError(f"{side} indices must lie in [0, {count}); got range [{lo}, {hi}]")
     return np.ascontiguousarray(arr, dtype=np.int32)  # NIXL documents int32; 3% faster than int64
+
+
+def check_regions(regions) -> list:
+    """A non-empty list of ``Region``s with positive address and length and a known kind."""
+    regions = list(regions)
+    if not regions:
+        raise ConfigError("register needs at least one Region; got none")
+    for r in regions:
+        if not isinstance(r, Region) or r.length <= 0 or r.addr <= 0:
+            raise ConfigError(f"expected Regions with addr > 0 and length > 0; got {r!r}")
+        as_enum(MemKind, r.kind, "Region.kind")
+    return regions

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from kvxfer.backend.base import XferId
-from kvxfer.backend.checks import as_enum, check_indices, check_pair
+from kvxfer.backend.checks import check_regions, as_enum, check_indices, check_pair
 from kvxfer.errors import (ClosedError, ConfigError, KvxferError, PeerLostError, RegistrationError,
                            TransferFailedError)
 from kvxfer.types import Direction, MemKind, Region, XferState
@@ -180,13 +180,7 @@ class FakeBackend:
 
     # ---- memory ----------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> int:
-        regions = list(regions)
-        if not regions:
-            raise ConfigError("register needs at least one Region; got none")
-        for r in regions:
-            if not isinstance(r, Region) or r.length <= 0 or r.addr <= 0:
-                raise ConfigError(f"expected Regions with addr > 0 and length > 0; got {r!r}")
-            as_enum(MemKind, r.kind, "Region.kind")
+        regions = check_regions(regions)
         with self._world.lock:
             self._check_open()
             hid = next(self._ids)

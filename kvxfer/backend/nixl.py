@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvxfer.backend.base import XferId
-from kvxfer.backend.checks import descriptor_table, as_enum, check_indices, check_pair
+from kvxfer.backend.checks import check_regions, descriptor_table, as_enum, check_indices, check_pair
 from kvxfer.errors import (
     BackendError,
     ClosedError,
@@ -258,12 +258,7 @@ class NixlBackend:
     # ---- memory --------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> int:
         """Register ``regions`` (grouped by memory kind); returns a handle for ``deregister``."""
-        regions = list(regions)
-        if not regions:
-            raise ConfigError("register needs at least one Region; got none")
-        for r in regions:
-            if not isinstance(r, Region) or r.length <= 0 or r.addr <= 0:
-                raise ConfigError(f"expected Regions with addr > 0 and length > 0; got {r!r}")
+        regions = check_regions(regions)
         with self._lock:
             self._check_open()
             lists = []
