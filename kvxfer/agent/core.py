@@ -317,7 +317,7 @@ class Agent:
         return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
 
     def _claim(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> None:
-        claim = Claim(request_id, [int(i) for i in remote_ids], self.engine_id)
+        claim = Claim(request_id, remote_ids.tolist(), self.engine_id)
         granted: list[PeerLink] = []
         for link in links:
             try:

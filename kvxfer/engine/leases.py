@@ -24,7 +24,7 @@ __all__ = ["Hold", "LeaseTable", "ClaimResult"]
 @dataclass
 class Hold:
     request_id: str
-    blocks: frozenset[int]
+    blocks: np.ndarray            # sorted unique int64 block ids
     expected: int | None          # consumers that must report done; None until the first claim says
     deadline: float
     claimed_by: set[str] = field(default_factory=set)
@@ -77,7 +77,7 @@ class LeaseTable:
             raise ConfigError(f"lease must be positive; got {lease}")
         deadline = self._clock.now() + (lease or self._lease)
         with self._lock:
-            self._holds[request_id] = Hold(request_id, frozenset(int(i) for i in ids), consumers, deadline)
+            self._holds[request_id] = Hold(request_id, np.unique(ids), consumers, deadline)
 
     def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1) -> ClaimResult:
         """A consumer announces it will read ``blocks``; refused unless all are held for the request."""
@@ -85,9 +85,10 @@ class LeaseTable:
             hold = self._holds.get(request_id)
             if hold is None:
                 return ClaimResult(False, f"request {request_id!r} is not held (unknown, released or expired)")
-            missing = [int(b) for b in blocks if int(b) not in hold.blocks]
-            if missing:
-                return ClaimResult(False, f"block {missing[0]} is not held for request {request_id!r}")
+            wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
+            missing = wanted[~np.isin(wanted, hold.blocks, assume_unique=False)]
+            if missing.size:
+                return ClaimResult(False, f"block {int(missing[0])} is not held for request {request_id!r}")
             if hold.expected is None:
                 hold.expected = expected_if_unset
             hold.claimed_by.add(consumer)
