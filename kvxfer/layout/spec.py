@@ -101,6 +101,10 @@ class KVSpec:
     model: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size", "tp_rank"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer):  # numpy ints (e.g. from an id array) count as ints
+                object.__setattr__(self, name, int(value))
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size"):
             _positive(name, getattr(self, name))
         if self.dtype not in DTYPE_SIZES:
@@ -115,7 +119,7 @@ class KVSpec:
             raise LayoutError(
                 f"storage must be one of {[s.value for s in Storage]}; got {self.storage!r}"
             ) from None
-        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+        if not isinstance(self.tp_rank, int) or isinstance(self.tp_rank, bool) or not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank must be in [0, {self.tp_size}); got {self.tp_rank!r}")
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError(f"an MLA cache has num_kv_heads=1; got {self.num_kv_heads}")

@@ -121,6 +121,15 @@ def test_spec_validation(kwargs, match):
         spec(**kwargs)
 
 
+def test_spec_takes_numpy_integers_as_plain_ints():
+    s = spec(tp_size=np.int64(2), tp_rank=np.int32(1), num_blocks=np.int64(8))
+    assert (s.tp_rank, s.tp_size, s.num_blocks) == (1, 2, 8)
+    assert all(type(v) is int for v in (s.tp_rank, s.tp_size, s.num_blocks))
+    assert s == spec(tp_size=2, tp_rank=1)
+    with pytest.raises(LayoutError, match=r"tp_rank must be in \[0, 2\); got True"):
+        spec(tp_size=2, tp_rank=True)
+
+
 def test_tp_helpers_validate():
     with pytest.raises(LayoutError, match=r"tp_rank must be in \[0, 4\); got 4"):
         head_range(8, 4, 4)
