@@ -7,7 +7,10 @@ from dataclasses import dataclass, replace
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT"]
+__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "TRANSFER_PATHS"]
+
+#: Ways ``Agent.read`` may move a request (see ``AgentConfig.transfer_path``).
+TRANSFER_PATHS = ("auto", "ipc", "staged", "direct")
 
 #: Hard cap a producer holds an unclaimed request's blocks (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default).
 DEFAULT_LEASE_TIMEOUT = 480.0
@@ -47,6 +50,18 @@ class AgentConfig:
         staging_bytes: host staging buffer registered for staged (converting) transfers.
         progress_interval: seconds the progress thread sleeps between polls while transfers are
             in flight; 0 (default) spins, since UCX moves shared-memory data inside the polls.
+        max_message_bytes: largest side-channel frame accepted.
+        transfer_path: how reads move data (env ``KVXFER_TRANSFER_PATH``): ``auto`` (default:
+            same-host CUDA IPC when the peer's cache maps here, else the staged pipeline with
+            producer-side pack for GPU caches whose plan is many short descriptors, else direct
+            descriptors), or force ``ipc``, ``staged`` (also on host memory) or ``direct``.
+        pipeline_slot_bytes, pipeline_slots: the staged pipeline's registered staging area
+            (``slots`` x ``slot_bytes``; one piece moves as one descriptor of at most a slot).
+        nixl_progress_thread: run NIXL's own progress thread (env ``KVXFER_NIXL_PROGRESS_THREAD``,
+            ``0``/``1``; default on, as NIXL does). NIXL 1.5 polls in that thread without sleeping,
+            so each agent keeps one core busy even when idle; on hosts with few cores turn it off:
+            the agent's progress loop then drives UCX (transports that need the target to progress,
+            such as TCP, move data only when the producer's loop polls, every 1 ms while it holds blocks).
     """
 
     side_channel_host: str | None = None
@@ -61,6 +76,10 @@ class AgentConfig:
     staging_bytes: int = 64 << 20
     progress_interval: float = 0.0
     max_message_bytes: int = 4 << 20
+    transfer_path: str = "auto"
+    pipeline_slot_bytes: int = 16 << 20
+    pipeline_slots: int = 8
+    nixl_progress_thread: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.backends, str) or not all(isinstance(b, str) and b for b in self.backends):
@@ -76,6 +95,17 @@ class AgentConfig:
             raise ConfigError(f"transfer_timeout must be positive or None; got {self.transfer_timeout!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
             raise ConfigError(f"staging_bytes must be a non-negative integer; got {self.staging_bytes!r}")
+        if self.transfer_path not in TRANSFER_PATHS:
+            raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "
+                              f"got {self.transfer_path!r}")
+        if (not isinstance(self.pipeline_slot_bytes, int) or self.pipeline_slot_bytes <= 0
+                or self.pipeline_slot_bytes % 256):
+            raise ConfigError(f"pipeline_slot_bytes must be a positive multiple of 256; "
+                              f"got {self.pipeline_slot_bytes!r}")
+        if not isinstance(self.pipeline_slots, int) or not 1 <= self.pipeline_slots <= 4096:
+            raise ConfigError(f"pipeline_slots must be an integer in [1, 4096]; got {self.pipeline_slots!r}")
+        if not isinstance(self.nixl_progress_thread, bool):
+            raise ConfigError(f"nixl_progress_thread must be True or False; got {self.nixl_progress_thread!r}")
         if isinstance(self.auth_key, str):
             object.__setattr__(self, "auth_key", self.auth_key.encode())
 
@@ -92,6 +122,18 @@ class AgentConfig:
         backends = os.environ.get("KVXFER_BACKENDS")
         if backends:
             values["backends"] = tuple(b.strip() for b in backends.split(",") if b.strip())
+        path = os.environ.get("KVXFER_TRANSFER_PATH")
+        if path:
+            if path.strip().lower() not in TRANSFER_PATHS:
+                raise ConfigError(f"KVXFER_TRANSFER_PATH must be one of {', '.join(TRANSFER_PATHS)}; "
+                                  f"got {path!r}")
+            values["transfer_path"] = path.strip().lower()
+        thread = os.environ.get("KVXFER_NIXL_PROGRESS_THREAD")
+        if thread:
+            flag = thread.strip().lower()
+            if flag not in ("0", "1", "true", "false", "on", "off"):
+                raise ConfigError(f"KVXFER_NIXL_PROGRESS_THREAD must be 0 or 1; got {thread!r}")
+            values["nixl_progress_thread"] = flag in ("1", "true", "on")
         values.update(overrides)
         return cls(**values)
 

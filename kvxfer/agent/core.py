@@ -13,9 +13,13 @@ import threading
 import time
 from typing import Sequence
 
+import msgspec
 import numpy as np
 
+from kvxfer.agent.accel import PathKit
+from kvxfer.agent.packing import PackServer
 from kvxfer.agent.peers import PeerDirectory, PeerLink
+from kvxfer.agent.reading import plan_read
 from kvxfer.agent.reports import Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
@@ -65,7 +69,8 @@ class Agent:
         if backend is None:
             from kvxfer.backend.nixl import NixlBackend  # lazy: only this module of the agent needs nixl
 
-            backend = NixlBackend(f"{self.engine_id}", self.config.backends)
+            backend = NixlBackend(f"{self.engine_id}", self.config.backends,
+                                  progress_thread=self.config.nixl_progress_thread)
         self._backend = backend
         self._codec = Codec(compat_hash(spec), key=self.config.auth_key,
                             max_bytes=self.config.max_message_bytes)
@@ -81,6 +86,8 @@ class Agent:
                                     backend.remove_peer, self.config.handshake_timeout,
                                     getattr(backend, "connect", None))
         self._claims: dict[str, list[PeerLink]] = {}
+        self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
+        self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
@@ -104,6 +111,8 @@ class Agent:
             self._staging_buf.fill(0)  # fault the pages in now, not during the first transfer
             region = self._registry.register_buffer(self._staging_buf)
             staging, base = StagingAllocator(self.config.staging_bytes), region.addr
+        self._kit = PathKit(self._backend, self.config, self._view)
+        self._packer = PackServer(self._kit, self._view, self._leases, self.config.lease_timeout)
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
                                       staging_base=base, staging=staging, unpack=self._unpack)
 
@@ -165,14 +174,17 @@ class Agent:
         LeaseExpiredError (the producer no longer holds the request). Errors during the
         transfer surface from the handle.
         """
+        started = time.perf_counter()
         self._check_open()
         view = self._require_cache()
         local = _ids(local_blocks, self.spec.num_blocks, "local")
         remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
             links, notify_only = self._links_for(remote)
             try:
-                parts = self._read_parts(view, links, local, remote_ids, request_id)
+                route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
+                                  request_id, note, self.config.allow_conversion)
                 self._claim(request_id, remote_ids, links + notify_only)
                 break
             except PeerLostError:
@@ -183,27 +195,23 @@ class Agent:
         timeout = self.config.transfer_timeout if timeout is None else timeout
         on_success = None
         if notify_only:  # replicas we depend on but do not read from: tell them we are done too
-            note = encode_notification(request_id, self.engine_id, self.config.auth_key)
             on_success = lambda: [self._backend.notify(link.agent_name, note) for link in notify_only]  # noqa: E731
+        parts = []
         try:
-            handle = self._engine.submit(request_id, Direction.READ, [p for _, p in parts],
-                                         timeout=timeout, on_success=on_success)
+            parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
+            handle = self._engine.submit(request_id, Direction.READ, parts, timeout=timeout,
+                                         on_success=on_success,
+                                         mode=None if route.mode == "direct" else route.mode,
+                                         setup_seconds=time.perf_counter() - started)
         except KvxferError:
+            for part in parts:
+                if part.job is not None:
+                    part.job.cancel()
             self._abort_claims(request_id)
             raise
         handle.add_done_callback(self._on_read_done)
         self._wake.set()
         return handle
-
-    def _read_parts(self, view: CacheView, links: list[PeerLink], local: np.ndarray,
-                    remote_ids: np.ndarray, request_id: str) -> list[tuple[PeerLink, Part]]:
-        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
-        parts = []
-        for link in links:
-            plan = link.plan(view, allow_conversion=self.config.allow_conversion)
-            req = plan.for_request(local, remote_ids)
-            parts.append((link, Part(link.agent_name, req, link.view.geometry.kind, note)))
-        return parts
 
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
               timeout: float | None = None) -> TransferHandle:
@@ -242,9 +250,9 @@ class Agent:
         ``remote`` reaches a producer this agent has not claimed from yet (abort before read).
         """
         self._check_open()
+        links = self._claims.pop(request_id, None)  # before cancelling: the handle's callback drops it
         if self._engine is not None:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
-        links = self._claims.pop(request_id, None)
         if links is None and remote is not None:
             links = [link for group in self._links_for(remote) for link in group]
         for link in links or ():
@@ -278,7 +286,11 @@ class Agent:
             self._server.close()
         if self._engine is not None:
             self._engine.close()
+        if self._packer is not None:
+            self._packer.close()
         self._peers.close()
+        if self._kit is not None:
+            self._kit.close()
         self._registry.close()
         self._backend.close()
 
@@ -300,8 +312,9 @@ class Agent:
 
     def _peer_info(self):
         host, port = self._address or ("", 0)
-        return make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
+        info = make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
                               self._backend.metadata(), host, port, self.config.lease_timeout)
+        return msgspec.structs.replace(info, **self._kit.peer_fields()) if self._kit is not None else info
 
     def _links_for(self, remote: tuple[str, int]) -> tuple[list[PeerLink], list[PeerLink]]:
         """Links to the remote ranks this rank reads from, and to those it only notifies."""
@@ -349,6 +362,8 @@ class Agent:
         self._reports.read_done(handle)
 
     def _on_release(self, request_id: str, why: str) -> None:
+        if self._packer is not None:
+            self._packer.cancel(request_id, why)
         self._reports.released(request_id, why)
 
     def _unpack(self, plan, staging_addr: int) -> None:
@@ -357,6 +372,8 @@ class Agent:
         plan.unpack_numpy(staging, lambda layer, kv: host_view(int(geometry.bases[layer, kv]), spec.region_bytes))
 
     def _on_notification(self, peer: str, data: bytes) -> None:
+        if self._kit is not None and self._kit.router.deliver(peer, data):
+            return  # a staged pipeline's message, routed to its transfer
         try:
             request_id, engine_id = decode_notification(data, self.config.auth_key)
         except KvxferError as exc:
@@ -375,6 +392,9 @@ class Agent:
                     busy = self._engine.in_flight() > 0
                     if busy:
                         self._engine.progress()
+                    if self._kit.router.active():
+                        busy = True  # pipelines wait on notifications: deliver them at once
+                        self._packer.reap()
                 for peer, data in self._backend.notifications():
                     self._on_notification(peer, data)
                 now = self._clock.now()

@@ -36,6 +36,8 @@ class PeerLink:
     session: ClientSession
     plans: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    paths: dict = field(default_factory=dict)      # per-peer state of the GPU paths (IPC mapping)
+    on_close: list = field(default_factory=list)   # called once on close (e.g. unmap the peer's cache)
 
     @property
     def engine_id(self) -> str:
@@ -66,6 +68,12 @@ class PeerLink:
 
     def close(self) -> None:
         self.client.close()
+        closers, self.on_close = self.on_close, []
+        for fn in closers:
+            try:
+                fn()
+            except Exception as exc:  # best effort: the link is going away
+                log.warning("closing link to %s: %s", self.engine_id, exc)
 
 
 class PeerDirectory:

@@ -59,5 +59,8 @@ class ProducerService:
             leases.release(message.request_id, "aborted")
             return Ack()
         if isinstance(message, PackRequest):
-            return Refuse(message.request_id, "producer-side packing is not enabled on this agent")
+            packer = self._agent._packer
+            if packer is None or peer is None:
+                return Refuse(message.request_id, "producer-side packing is not enabled on this agent")
+            return packer.handle(message, peer)  # typed errors for hostile input become a Reject
         return Refuse(getattr(message, "request_id", "?") or "?", f"unexpected {type(message).__name__}")

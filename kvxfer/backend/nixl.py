@@ -117,6 +117,8 @@ class NixlBackend:
         name: agent name, unique among the agents that will talk to each other.
         backends: NIXL plugins to instantiate (``("UCX",)`` by default).
         num_threads: worker threads for plugins that take them (0: the plugin's default).
+        progress_thread: NIXL's own progress thread (on by default; it busy-polls, see
+            ``AgentConfig.nixl_progress_thread``). Off, the caller's polls drive the transport.
 
     Raises:
         ConfigError: a backend name this NIXL build does not offer (the message lists those it does),
@@ -127,7 +129,8 @@ class NixlBackend:
     poll from another. Ids (transfers, prepared lists) are ints unique for this agent's lifetime.
     """
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0) -> None:
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0,
+                 progress_thread: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"agent name must be a non-empty str; got {name!r}")
         if isinstance(backends, str):
@@ -144,7 +147,8 @@ class NixlBackend:
         api = load_nixl_api()
         # Plugins are created one by one below, after checking their names against the build.
         config = self._nx.call("agent config",
-                               lambda: api.nixl_agent_config(backends=[], num_threads=num_threads))
+                               lambda: api.nixl_agent_config(enable_prog_thread=bool(progress_thread),
+                                                             backends=[], num_threads=num_threads))
         self._agent = self._nx.call(f"creating agent {name!r}", api.nixl_agent, name, config)
         available = list(self._nx.call("get_plugin_list", self._agent.get_plugin_list))
         unknown = [b for b in backends if b not in available]

@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--methods", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                    help=f"default gpu: {','.join(GPU_METHODS)}; cpu: {','.join(CPU_METHODS)}")
+    p.add_argument("--gpu-path", "--transfer-path", dest="transfer_path", default="auto",
+                   choices=("auto", "ipc", "staged", "direct"),
+                   help="kvxfer-agent: the Agent's transfer_path (auto picks per request)")
     p.add_argument("--producer-gpu", type=int, default=1)
     p.add_argument("--consumer-gpu", type=int, default=0)
     p.add_argument("--slot-mib", type=int, default=256, help="staging slot size (MiB)")
@@ -77,7 +80,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        iters=args.iters, warmup=args.warmup, methods=args.methods,
                        producer_gpu=args.producer_gpu, consumer_gpu=args.consumer_gpu,
                        slot_bytes=args.slot_mib << 20, slots=args.slots, piece_bytes=args.piece_mib,
-                       seed=args.seed, cache_factor=args.cache_factor, progress=not args.quiet)
+                       seed=args.seed, cache_factor=args.cache_factor, progress=not args.quiet,
+                       transfer_path=args.transfer_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ the expected cache. Methods:
   NIXL figure; moves contiguous buffers, not the cache);
 * ``kvxfer-staged-read`` / ``-write``: ``kvxfer.gpu.staged`` pipelines (pack, move, unpack);
 * ``kvxfer-ipc``: ``kvxfer.gpu`` single pass through CUDA IPC (same host only);
-* ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end.
+* ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end (CPU and GPU; on GPUs
+  ``--gpu-path`` forces the Agent's path: auto, ipc, staged or direct).
 """
 
 from __future__ import annotations
@@ -247,27 +248,57 @@ def ipc(w, requests, tokens, iters, warmup, options):
     return result
 
 
-def agent(w, requests, tokens, iters, warmup, options):
-    """Consumer half of ``kvxfer-agent``: ``Agent.read`` from the producer instance, end to end."""
-    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
+def _agent_config(options: dict, port: int):
+    from kvxfer import AgentConfig  # noqa: PLC0415
 
-    ag = w.extra.get("agent")
+    extra = {}
+    if options.get("slot_bytes"):
+        extra = dict(pipeline_slot_bytes=options["slot_bytes"], pipeline_slots=options["slots"])
+    return AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port,
+                       transfer_path=options.get("transfer_path") or "auto", **extra)
+
+
+def _bench_agent(w, options: dict, port: int, listen: bool):
+    """This worker's ``Agent`` for ``kvxfer-agent`` (one per transfer path; kept across rounds)."""
+    from kvxfer import Agent  # noqa: PLC0415
+
+    key = f"agent-{options.get('transfer_path') or 'auto'}"
+    ag = w.extra.get(key)
     if ag is None:
-        ag = Agent(f"{w.name}-agent", w.cache.spec, AgentConfig(side_channel_host="127.0.0.1",
-                                                                side_channel_port=options["port"] + 50))
+        ag = Agent(f"{w.name}-agent", w.cache.spec, _agent_config(options, port))
         ag.register(w.cache.tensors)
-        w.extra["agent"] = ag
+        if listen:
+            ag.listen()
+        w.extra[key] = ag
+    return ag
+
+
+def agent(w, requests, tokens, iters, warmup, options):
+    """Consumer half of ``kvxfer-agent``: ``Agent.read`` from the producer instance, end to end.
+
+    ``options["transfer_path"]`` (``--gpu-path``) picks the Agent's path; the modes the reads
+    reported are returned under ``"modes"``."""
+    offset = 50 + 10 * ("auto", "ipc", "staged", "direct").index(options.get("transfer_path") or "auto")
+    ag = _bench_agent(w, options, options["port"] + offset, listen=False)
     remote = ("127.0.0.1", options["port"])
     local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
+    modes: set[str] = set()
+    setup: list[float] = []
 
     def body(it):
         t0 = time.perf_counter()
         handle = ag.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}")
-        handle.wait(_DEADLINE)
+        stats = handle.wait(_DEADLINE)
         w._sync()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        modes.add(stats.mode)
+        setup.append(stats.setup_seconds)
+        return seconds
 
-    return _loop(w, iters, warmup, body)
+    result = _loop(w, iters, warmup, body)
+    result["modes"] = sorted(modes)
+    result["setup_ms"] = sorted(setup)[len(setup) // 2] * 1e3 if setup else None  # median, warm-up included
+    return result
 
 
 def peer_copy(w, src_device, nbytes, iters, warmup):
@@ -315,16 +346,7 @@ def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
 
 def serve_agent(w, consumer, request, tokens, rounds, options):
     """Producer half of ``kvxfer-agent``: hold every round's request, wait until all are read."""
-    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
-
-    ag = w.extra.get("agent")
-    if ag is None:
-        spec = w.cache.spec
-        ag = Agent(f"{w.name}-agent", spec, AgentConfig(side_channel_host="127.0.0.1",
-                                                        side_channel_port=options["port"]))
-        ag.register(w.cache.tensors)
-        ag.listen()
-        w.extra["agent"] = ag
+    ag = _bench_agent(w, options, options["port"], listen=True)
     rids = [f"bench-{options['run']}-{i}" for i in range(rounds)]
     for rid in rids:
         ag.hold(rid, request["ids"])

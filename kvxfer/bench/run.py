@@ -24,7 +24,7 @@ from kvxfer.errors import ConfigError
 
 __all__ = ["BenchConfig", "run_bench", "GPU_METHODS", "CPU_METHODS"]
 
-GPU_METHODS = ("peer-copy", "nixl-1desc", "nixl-per-block", "kvxfer-staged", "kvxfer-ipc")
+GPU_METHODS = ("peer-copy", "nixl-1desc", "nixl-per-block", "kvxfer-staged", "kvxfer-ipc", "kvxfer-agent")
 CPU_METHODS = ("nixl-1desc", "nixl-per-block", "kvxfer-agent")
 
 
@@ -52,6 +52,7 @@ class BenchConfig:
     cache_factor: int = 0  # cache blocks per request block; 0: 4 on GPU, 2 on CPU (host RAM is smaller)
     port: int = 0
     progress: bool = True
+    transfer_path: str = "auto"   # kvxfer-agent: the Agent's transfer_path (--gpu-path)
 
     def model(self) -> dict:
         if self.preset == "custom":
@@ -181,7 +182,8 @@ def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, 
             label = method + (f"@{piece >> 20}MiB" if piece else "")
             _say(cfg, f"tokens={tokens}: {label} x{cfg.iters} (+{cfg.warmup} warm-up)")
             options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
-                       "run": f"{tokens}-{label}"}
+                       "run": f"{tokens}-{label}", "transfer_path": cfg.transfer_path,
+                       "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots}
             t0 = time.monotonic()
             try:
                 if method == "peer-copy":
@@ -214,8 +216,11 @@ def _short(row: dict) -> str:
         return f"{row['method']}: ERROR " + " | ".join(row["error"].strip().splitlines()[-6:])[:900]
     if "skipped" in row:
         return f"{row['method']}: skipped ({row['skipped']})"
+    modes = f", path {'/'.join(row['modes'])}" if row.get("modes") else ""
+    if row.get("setup_ms") is not None:
+        modes += f", setup {row['setup_ms']:.3f} ms"
     return (f"{row['method']}: {row['gbps']:.1f} GB/s, median {row['median_s'] * 1e3:.3f} ms, "
-            f"verified {row['verified']}/{row['verified'] + row['failed']}")
+            f"verified {row['verified']}/{row['verified'] + row['failed']}{modes}")
 
 
 def _describe(s: Scenario) -> dict:

@@ -180,6 +180,9 @@ class Worker:
         return methods.peer_copy(self, src_device, nbytes, iters, warmup)
 
     def close(self) -> None:
+        for key, value in list(self.extra.items()):
+            if key.startswith("agent"):
+                value.close()
         for info in self.peers.values():
             mapped = info.get("mapped")
             if mapped is not None:

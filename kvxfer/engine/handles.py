@@ -13,7 +13,11 @@ __all__ = ["TransferHandle", "TransferStats"]
 
 @dataclass
 class TransferStats:
-    """What one request moved: payload bytes, descriptors posted, seconds from post to completion."""
+    """What one request moved: payload bytes, descriptors posted, seconds from post to completion.
+
+    ``setup_seconds``: the caller's time before the post (checking ids, choosing the path, the
+    producers' claim round trips, building tables, launching kernels); ``seconds`` starts after it.
+    """
 
     request_id: str
     num_bytes: int = 0
@@ -21,6 +25,7 @@ class TransferStats:
     seconds: float = 0.0
     mode: str = "direct"
     peers: int = 0
+    setup_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

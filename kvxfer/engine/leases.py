@@ -95,6 +95,20 @@ class LeaseTable:
             hold.deadline = max(hold.deadline, self._clock.now() + self._lease)
             return ClaimResult(True, lease_remaining=hold.deadline - self._clock.now())
 
+    def check_claimed(self, request_id: str, consumer: str, blocks) -> str:
+        """Why ``consumer`` may not read ``blocks`` of ``request_id`` now ("" when it may). Changes nothing."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None:
+                return f"request {request_id!r} is not held (unknown, released or expired)"
+            if consumer not in hold.claimed_by:
+                return f"request {request_id!r} was not claimed by {consumer!r}"
+            wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
+            missing = wanted[~np.isin(wanted, hold.blocks)]
+            if missing.size:
+                return f"block {int(missing[0])} is not held for request {request_id!r}"
+        return ""
+
     def heartbeat(self, request_ids, consumer: str) -> tuple[list[str], list[str]]:
         """Extend the holds a consumer still waits on; returns (alive, gone)."""
         alive, gone = [], []

@@ -4,7 +4,10 @@ May import backend.base, layout, protocol, clock, errors, types; never nixl, zmq
 One request may span several peer ranks (heterogeneous TP): each rank is a *part*; the
 request's handle completes when every part has, and fails (releasing the others) as soon
 as one fails or the deadline passes. Staged parts land in a registered staging buffer and
-are unpacked into the cache before the part counts as done.
+are unpacked into the cache before the part counts as done. A part may instead carry a
+``Job`` (the GPU paths: a CUDA IPC kernel, a staged pipeline) that moves the bytes itself;
+the engine polls it and, when it finishes, sends the part's notification to the peer, as a
+backend transfer would have on completion.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from kvxfer.backend.base import Backend, XferId
 from kvxfer.clock import Clock, MonotonicClock
@@ -26,17 +29,31 @@ from kvxfer.errors import (
 )
 from kvxfer.types import Direction, MemKind, XferState
 
-__all__ = ["Part", "TransferEngine"]
+__all__ = ["Job", "Part", "TransferEngine"]
+
+
+class Job(Protocol):
+    """A part that moves its bytes itself. ``poll`` never blocks: True once the bytes are in
+    place, a ``KvxferError`` when they cannot be; ``cancel`` stops it and frees what it holds
+    (idempotent; after it returns, nothing the job started writes into memory any more)."""
+
+    num_bytes: int
+    descriptors: int
+
+    def poll(self) -> bool: ...
+
+    def cancel(self) -> None: ...
 
 
 @dataclass
 class Part:
-    """One peer rank's share of a request. ``plan`` is a layout ``RequestPlan``."""
+    """One peer rank's share of a request. ``plan`` is a layout ``RequestPlan`` (or None with a ``job``)."""
 
     peer: str
     plan: object
     remote_kind: MemKind
     notification: bytes
+    job: Job | None = None
     xfer: XferId | None = None
     staging_offset: int | None = None
     done: bool = False
@@ -58,8 +75,8 @@ class _Request:
     def __post_init__(self) -> None:
         self.stats = TransferStats(
             self.handle.request_id,
-            num_bytes=sum(int(p.plan.num_bytes) for p in self.parts),
-            descriptors=sum(int(p.plan.local.shape[0]) for p in self.parts),
+            num_bytes=sum(int(p.job.num_bytes if p.job else p.plan.num_bytes) for p in self.parts),
+            descriptors=sum(int(p.job.descriptors if p.job else p.plan.local.shape[0]) for p in self.parts),
             mode=self.mode,
             peers=len(self.parts),
         )
@@ -92,8 +109,9 @@ class TransferEngine:
 
     # ---- submission --------------------------------------------------------------
     def submit(self, request_id: str, direction: Direction, parts: list[Part], *,
-               timeout: float | None, on_success: Callable[[], None] | None = None) -> TransferHandle:
-        """Post every part now and return the request's handle.
+               timeout: float | None, on_success: Callable[[], None] | None = None,
+               mode: str | None = None, setup_seconds: float = 0.0) -> TransferHandle:
+        """Post every part now and return the request's handle (``mode`` names the path in its stats).
 
         Raises:
             ClosedError: the engine was closed.
@@ -103,9 +121,11 @@ class TransferEngine:
             raise ClosedError("transfer engine is closed")
         handle = TransferHandle(request_id)
         now = self._clock.now()
-        mode = "staged" if any(p.plan.staging_bytes for p in parts) else "direct"
+        if mode is None:
+            mode = "staged" if any(p.job is None and p.plan.staging_bytes for p in parts) else "direct"
         req = _Request(handle, direction, parts, None if timeout is None else now + timeout,
                        time.perf_counter(), mode, on_success)
+        req.stats.setup_seconds = setup_seconds
         with self._lock:
             if request_id in self._requests or request_id in self._posting:
                 raise TransferFailedError(f"request {request_id!r} already has a transfer in flight")
@@ -128,6 +148,8 @@ class TransferEngine:
 
     def _post(self, part: Part, direction: Direction) -> None:
         """Post one part; a staged part waits (unposted) while the staging buffer is full."""
+        if part.job is not None:
+            return  # already running
         local = part.plan.local
         if part.plan.staging_bytes:
             if self._staging is None or self._unpack is None:
@@ -172,6 +194,11 @@ class TransferEngine:
                 self._post(part, req.direction)
                 if part.waiting:
                     continue
+            if part.job is not None:
+                if part.job.poll():
+                    part.done = True
+                    self._backend.notify(part.peer, part.notification)
+                continue
             state = self._backend.state(part.xfer)
             if state is XferState.PENDING:
                 continue
@@ -211,6 +238,8 @@ class TransferEngine:
 
     def _release_parts(self, req: _Request) -> None:
         for part in req.parts:
+            if part.job is not None and not part.done:
+                part.job.cancel()
             if part.xfer is not None:
                 try:
                     self._backend.release(part.xfer)

@@ -24,7 +24,7 @@ from kvxfer.errors import ConfigError, RegistrationError
 from kvxfer.layout.spec import CacheGeometry
 from kvxfer.types import MemKind
 
-__all__ = ["IpcExport", "export_cache", "IpcPeerCache", "allocation_range"]
+__all__ = ["IpcExport", "export_cache", "IpcPeerCache", "allocation_range", "host_identity"]
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
@@ -59,6 +59,23 @@ class IpcExport:
         if idx.size and (idx.min() < 0 or idx.max() >= len(handles)):
             raise ConfigError(f"IPC export: allocation index out of [0, {len(handles)})")
         return cls(device, handles, idx, off, str(raw.get("host_id", "")))
+
+
+def host_identity() -> str:
+    """This machine's identity for "is the peer on my host?": kernel boot id + hostname.
+
+    Two processes agree exactly when they run under one kernel boot on one host (containers
+    sharing a host see the same boot id; the hostname separates look-alike VMs). CUDA IPC is
+    still only attempted, never assumed: a mapping that fails falls back to another path.
+    """
+    import socket  # noqa: PLC0415
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}/{socket.gethostname()}"[:512]
 
 
 def _libcuda() -> Any:

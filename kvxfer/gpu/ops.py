@@ -24,7 +24,7 @@ import numpy as np
 from kvxfer.errors import ConfigError
 from kvxfer.gpu.pairs import PairCopy, Side
 
-__all__ = ["PairKernel", "Launch", "pair_copy_numpy", "vector_offsets"]
+__all__ = ["PairKernel", "Launch", "cupy_missing", "pair_copy_numpy", "vector_offsets"]
 
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
@@ -209,6 +209,15 @@ class PairKernel:
                 np.int32(copy.heads), np.int32(vu), np.int64(copy.vector_bytes), np.int32(h_outer),
                 np.int32(flat), *sides))
         return Launch(keep, copy.nbytes)
+
+
+def cupy_missing() -> str:
+    """Why the GPU kernel cannot run in this process ("" when cupy imports)."""
+    try:
+        _cupy()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def _cupy() -> Any:

@@ -38,7 +38,7 @@ from kvxfer.gpu.pairs import PairCopy
 from kvxfer.types import Direction, MemKind, Region, XferState
 
 __all__ = ["Link", "PipeMessage", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
-           "push_write", "receive_write"]
+           "push_write", "receive_write", "host_allocate", "is_pipe_message"]
 
 _FMT = struct.Struct("<3sBBxxxQI")  # magic, version, kind, 3 pad, tag, piece | slot << 20
 _MAGIC, _VERSION = b"KXS", 1
@@ -72,6 +72,11 @@ class PipeMessage:
         return cls(kind, tag, packed & (_MAX_PIECES - 1), packed >> 20)
 
 
+def is_pipe_message(raw: bytes) -> bool:
+    """Whether ``raw`` is a pipeline message (by its length and magic; not validated further)."""
+    return len(raw) == _FMT.size and raw[:3] == _MAGIC
+
+
 class Link(Protocol):
     """Carries pipeline messages to the one peer of a transfer."""
 
@@ -88,15 +93,18 @@ class StagingArea:
         device: CUDA ordinal.
         slot_bytes: bytes per slot (one piece moves as one descriptor of at most this).
         slots: number of slots (2 or more lets pack, move and unpack overlap).
-        allocate: ``(nbytes, device) -> (owner, address)``; defaults to a torch uint8 tensor.
+        allocate: ``(nbytes, device) -> (owner, address)``; defaults to a torch uint8 tensor
+            (``host_allocate`` for a host-memory area).
+        kind: memory kind of what ``allocate`` returns (``DRAM`` for the host twin).
     """
 
     def __init__(self, backend: Backend, device: int, slot_bytes: int, slots: int = 4,
-                 allocate: Callable[[int, int], tuple[Any, int]] | None = None) -> None:
+                 allocate: Callable[[int, int], tuple[Any, int]] | None = None,
+                 kind: MemKind = MemKind.VRAM) -> None:
         if slot_bytes <= 0 or slot_bytes % 256 or slots < 1:
             raise ConfigError(f"slot_bytes must be a positive multiple of 256 and slots >= 1; "
                               f"got {slot_bytes}, {slots}")
-        self.backend, self.device = backend, int(device)
+        self.backend, self.device, self.kind = backend, int(device), MemKind(kind)
         self.slot_bytes, self.slots = int(slot_bytes), int(slots)
         self._owner, self.addr = (allocate or _torch_allocate)(self.nbytes, self.device)
         self._reg = backend.register([self.region])
@@ -108,7 +116,7 @@ class StagingArea:
 
     @property
     def region(self) -> Region:
-        return Region(self.addr, self.nbytes, self.device, MemKind.VRAM)
+        return Region(self.addr, self.nbytes, self.device, self.kind)
 
     def slot_addr(self, slot: int) -> int:
         if not 0 <= slot < self.slots:
@@ -119,7 +127,7 @@ class StagingArea:
         """Slots ``[first, first + count)`` as an area of their own (one per peer of a transfer)."""
         if first < 0 or count < 1 or first + count > self.slots:
             raise ConfigError(f"slot range [{first}, {first + count}) must lie in [0, {self.slots})")
-        return SlotRange(self.slot_addr(first), self.slot_bytes, count, self.device)
+        return SlotRange(self.slot_addr(first), self.slot_bytes, count, self.device, self.kind)
 
     def close(self) -> None:
         if not self._closed:
@@ -142,11 +150,18 @@ class SlotRange:
     slot_bytes: int
     slots: int
     device: int
+    kind: MemKind = MemKind.VRAM
 
     def slot_addr(self, slot: int) -> int:
         if not 0 <= slot < self.slots:
             raise ConfigError(f"slot must be in [0, {self.slots}); got {slot}")
         return self.addr + slot * self.slot_bytes
+
+
+def host_allocate(nbytes: int, device: int = 0) -> tuple[Any, int]:
+    """A host-memory staging buffer (pages faulted in now, not during the first transfer)."""
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    return buf, int(buf.ctypes.data)
 
 
 def _torch_allocate(nbytes: int, device: int) -> tuple[Any, int]:
@@ -231,8 +246,17 @@ def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
     it, and reuse slots as the consumer frees them. Returns once every piece was read."""
     gpu = _Gpu(kernel)
     pieces = split_pieces(pack, slot_bytes or area.slot_bytes)
+    try:
+        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline)
+    finally:  # the slots go back to the caller only once no pack kernel can still write them
+        gpu.stream.synchronize()
+
+
+def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area: StagingArea, gpu: "_Gpu",
+                  link: Link, deadline: float) -> None:
     free = collections.deque(range(area.slots))
     packing: collections.deque = collections.deque()
+    seen: set[int] = set()   # pieces freed: a peer's duplicate must not end the loop early
     k = freed = 0
     while freed < len(pieces):
         if k < len(pieces) and free:  # one launch per turn, so READY k leaves as soon as pack k ends
@@ -243,6 +267,9 @@ def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
             piece, slot, _ = packing.popleft()
             link.send(PipeMessage(READY, tag, piece, slot).encode())
         for msg in _messages(link, tag, FREE, len(pieces)):
+            if msg.piece >= k or msg.piece in seen:
+                raise ProtocolError(f"FREE for piece {msg.piece}: not announced, or freed twice")
+            seen.add(msg.piece)
             free.append(msg.slot)
             freed += 1
         gpu.reap()
@@ -251,39 +278,57 @@ def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
 
 def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
                backend: Backend, peer: str, remote_slot_addr: Callable[[int], int], remote_device: int,
-               deadline: float, slot_bytes: int | None = None, trace: list | None = None) -> None:
+               deadline: float, slot_bytes: int | None = None, trace: list | None = None,
+               remote_kind: MemKind = MemKind.VRAM) -> None:
     """Consumer side of a READ: pull each announced piece into a local slot, free the remote slot,
     unpack. Returns once every piece is unpacked and the unpack stream has finished.
+    A READY for a slot outside the producer's ``remote_slots`` is the caller's to bound
+    (``remote_slot_addr`` raises for it).
 
     ``trace`` (a list) receives ``(what, piece, perf_counter())`` for every step, for profiling."""
     note = (lambda what, piece: trace.append((what, piece, time.perf_counter()))) if trace is not None \
         else (lambda what, piece: None)
     gpu = _Gpu(kernel)
     pieces = split_pieces(unpack, slot_bytes or area.slot_bytes)
-    ready: collections.deque = collections.deque()
-    free = collections.deque(range(area.slots))
     moving: list[tuple[int, int, int, int]] = []  # piece, local slot, remote slot, xfer
+    try:
+        _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,
+                      remote_kind, deadline, moving, note)
+    finally:
+        for _, _, _, xid in moving:  # failed or cancelled: nothing may land in a slot after we return
+            backend.release(xid)
+        gpu.stream.synchronize()
+
+
+def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,
+                  remote_kind, deadline, moving, note) -> None:
+    ready: collections.deque = collections.deque()
+    announced: set[int] = set()   # a peer's duplicate READY must not count a piece twice
+    free = collections.deque(range(area.slots))
     unpacking: list[tuple[int, Any]] = []
     done = 0
     dev = area.device
     while done < len(pieces):
         for msg in _messages(link, tag, READY, len(pieces)):
+            if msg.piece in announced:
+                raise ProtocolError(f"READY for piece {msg.piece} twice")
+            announced.add(msg.piece)
             note("ready", msg.piece)
             ready.append(msg)
         while ready and free:
             msg, slot = ready.popleft(), free.popleft()
             n = (pieces[msg.piece][1] - pieces[msg.piece][0]) * unpack.pair_bytes
-            xid = backend.post(Direction.READ, descs([area.slot_addr(slot)], n, dev), MemKind.VRAM,
-                               descs([remote_slot_addr(msg.slot)], n, remote_device), MemKind.VRAM,
+            xid = backend.post(Direction.READ, descs([area.slot_addr(slot)], n, dev), area.kind,
+                               descs([remote_slot_addr(msg.slot)], n, remote_device), remote_kind,
                                peer, b"")
             moving.append((msg.piece, slot, msg.slot, xid))
             note("posted", msg.piece)
-        still = []
-        for piece, slot, rslot, xid in moving:
+        for entry in list(moving):
+            piece, slot, rslot, xid = entry
             state = backend.state(xid)
             if state is XferState.PENDING:
-                still.append((piece, slot, rslot, xid))
                 continue
+            moving.remove(entry)
             if state is XferState.FAILED:
                 backend.release(xid)
                 raise TransferFailedError(f"staged READ of piece {piece} (tag {tag}) failed")
@@ -293,7 +338,6 @@ def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel
             note("unpack-launched", piece)
             backend.release(xid)
             link.send(PipeMessage(FREE, tag, piece, rslot).encode())
-        moving = still
         finished, unpacking = _split_done(unpacking)
         for slot, _ in finished:
             note("unpacked", slot)
@@ -301,7 +345,6 @@ def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel
             done += 1
         gpu.reap()
         _check_deadline(deadline, f"fetching piece {done} of {len(pieces)}")
-    gpu.stream.synchronize()
 
 
 def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,

@@ -32,6 +32,7 @@ __all__ = [
     "Heartbeat",
     "HeartbeatAck",
     "Hello",
+    "IpcWire",
     "Message",
     "PackReady",
     "PackRequest",
@@ -39,6 +40,7 @@ __all__ = [
     "Refuse",
     "Reject",
     "SpecWire",
+    "StagingWire",
     "Welcome",
     "check_peer_info",
     "compat_hash",
@@ -80,6 +82,32 @@ class SpecWire(msgspec.Struct, frozen=True):
     model: Annotated[str, Meta(max_length=1024)] = ""
 
 
+#: Bounds of the optional GPU-path fields of ``PeerInfo``.
+MAX_IPC_HANDLES = 4096
+MAX_REGIONS = 1 << 16
+
+
+class IpcWire(msgspec.Struct, frozen=True):
+    """A producer's CUDA IPC export (``kvxfer.gpu.ipc.IpcExport``): one 64-byte handle per
+    allocation, and per region ``[layer][kv]`` the allocation index and offset inside it."""
+
+    device: NonNeg
+    handles: Annotated[list[Annotated[bytes, Meta(min_length=64, max_length=64)]],
+                       Meta(min_length=1, max_length=MAX_IPC_HANDLES)]
+    alloc_index: Annotated[list[list[NonNeg]], Meta(max_length=MAX_REGIONS)]
+    offsets: Annotated[list[list[U64]], Meta(max_length=MAX_REGIONS)]
+
+
+class StagingWire(msgspec.Struct, frozen=True):
+    """A producer's registered staging area for the staged pipeline: ``slots`` x ``slot_bytes`` at ``addr``."""
+
+    addr: U64
+    slot_bytes: Positive
+    slots: Annotated[int, Meta(ge=1, le=4096)]
+    device: NonNeg
+    mem_kind: Annotated[str, Meta(max_length=8)]
+
+
 class _Msg(msgspec.Struct, frozen=True, tag=True):
     """Base of every wire message: frozen and tagged with its class name."""
 
@@ -102,6 +130,10 @@ class PeerInfo(msgspec.Struct, frozen=True):
     listen_host: Annotated[str, Meta(max_length=255)] = ""
     listen_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     lease_timeout: Seconds = 480.0
+    # Appended (protocol evolution): the GPU paths. Older peers send none, and get direct reads.
+    host_id: Annotated[str, Meta(max_length=512)] = ""   # boot id + hostname: same host, same value
+    ipc: IpcWire | None = None                          # CUDA IPC export of a VRAM cache
+    staging: StagingWire | None = None                  # staging area serving PackRequests
 
 
 class Hello(_Msg, frozen=True):
@@ -173,16 +205,31 @@ class Ack(_Msg, frozen=True):
 
 
 class PackRequest(_Msg, frozen=True):
-    """Consumer -> producer (staged path): pack these blocks' heads [start, stop) into staging."""
+    """Consumer -> producer (staged path): pack these blocks' heads [start, stop) into staging.
+
+    ``head_start``/``head_stop`` are global KV-head indices (the heads both ranks share);
+    ``consumer_ids`` are the consumer's block ids (the staging image is in its layout);
+    pipeline messages of this transfer carry ``tag``; pieces are cut at ``piece_bytes``;
+    the producer stops serving ``timeout`` seconds after accepting (0: its lease timeout).
+    Sent after a granted ``Claim`` for the same request.
+    """
 
     request_id: Id
     block_ids: list[NonNeg]
     head_start: NonNeg
     head_stop: NonNeg
+    consumer_ids: list[NonNeg] = []
+    tag: U64 = 0
+    piece_bytes: NonNeg = 0
+    timeout: Seconds = 0.0
 
 
 class PackReady(_Msg, frozen=True):
-    """Producer -> consumer (staged path): the packed bytes are at ``offset`` in staging."""
+    """Producer -> consumer (staged path): the packed bytes are at ``offset`` in staging.
+
+    For the pipelined pack (``PackRequest.tag`` set) it means "accepted": ``nbytes`` is the
+    whole request's staged size and pieces are announced as pipeline messages.
+    """
 
     request_id: Id
     offset: NonNeg

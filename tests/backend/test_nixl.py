@@ -178,3 +178,22 @@ def test_dead_peer_process_is_peer_lost():
     finally:
         local.close()
         peer.close()
+
+
+def test_progress_thread_option_starts_nixls_thread_or_not():
+    import os
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    agents = [NixlBackend("warm", progress_thread=False)]  # process-wide UCX threads start here
+    try:
+        added = {}
+        for flag in (False, True):
+            before = threads()
+            agents.append(NixlBackend(f"thread-{flag}", progress_thread=flag))
+            added[flag] = threads() - before
+        assert (added[False], added[True]) == (0, 1)
+    finally:
+        for agent in agents:
+            agent.close()

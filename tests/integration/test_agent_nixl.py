@@ -135,3 +135,19 @@ def test_unknown_backend_lists_what_nixl_offers():
     from kvxfer import ConfigError
     with pytest.raises(ConfigError, match="UCX"):
         Agent("x", KVSpec(**COMMON), AgentConfig(backends=("NO_SUCH_PLUGIN",)))
+
+
+def test_read_with_nixl_progress_threads_off_on_both_sides(producers):
+    # Small hosts turn NIXL's busy-polling progress thread off; the agents' own loops then
+    # drive UCX, and a read must still complete byte for byte and release the producer's hold.
+    spec = KVSpec(**COMMON)
+    src_ids, dst_ids = [9, 1, 30, 31, 12], [0, 40, 41, 7, 8]
+    prod = Producer(spec, seed=4, port=free_port_block(), holds={"q": src_ids}, nixl_progress_thread=False)
+    producers.append(prod)
+    cons, cache = consumer(spec, nixl_progress_thread=False)
+    with cons:
+        cons.read(prod.address, dst_ids, src_ids, "q").wait(30)
+        src = cache_for(spec, 4)
+        for layer in range(spec.num_layers):
+            np.testing.assert_array_equal(cache[layer][:, dst_ids], src[layer][:, src_ids])
+        assert poll(lambda: prod.ask("holding"), []) == []

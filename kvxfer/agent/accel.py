@@ -1,0 +1,204 @@
+"""One agent's resources for the IPC and staged paths (layer: agent, the composition root).
+
+``PathKit`` is built when the cache is registered: the pair-copy kernel (``PairKernel`` on a
+GPU, ``HostPairKernel`` on host memory), the staging area that serves and receives staged
+reads (with a pool of its slots), this cache's CUDA IPC export, the host identity, the CUDA
+stream IPC reads run on, and the router of pipeline notifications. It also maps peers'
+caches (once per ``PeerLink``; unmapped when the link closes) and says, per peer, why a path
+is not available.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from kvxfer.backend.base import Backend
+from kvxfer.config import AgentConfig
+from kvxfer.engine.staging import StagingAllocator
+from kvxfer.errors import ConfigError, KvxferError, RegistrationError, TransferTimeoutError
+from kvxfer.gpu.host import HostPairKernel
+from kvxfer.gpu.ops import cupy_missing
+from kvxfer.gpu.ipc import IpcExport, IpcPeerCache, export_cache, host_identity
+from kvxfer.gpu.staged import SlotRange, StagingArea, host_allocate
+from kvxfer.layout import CacheView
+from kvxfer.protocol.messages import IpcWire, StagingWire
+from kvxfer.types import MemKind
+
+from kvxfer.agent.pipes import PipeRouter
+
+__all__ = ["PathKit"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class PathKit:
+    """GPU-path resources of one agent. ``close`` releases them (idempotent)."""
+
+    def __init__(self, backend: Backend, config: AgentConfig, view: CacheView) -> None:
+        self.backend, self.config, self.view = backend, config, view
+        geometry = view.geometry
+        self.vram = geometry.kind is MemKind.VRAM
+        self.device = int(geometry.device)
+        self.host_id = host_identity()
+        self.router = PipeRouter(backend)
+        self.area: StagingArea | None = None
+        self.area_why = ""
+        self._slots: StagingAllocator | None = None
+        self._slot_lock = threading.Lock()
+        self._kernel: Any = None
+        self._kernel_lock = threading.Lock()
+        self._stream: Any = None
+        self.ipc: IpcWire | None = None
+        path = config.transfer_path
+        no_kernel = self.no_kernel = cupy_missing() if self.vram else ""
+        if no_kernel:  # without the kernel neither GPU path works here: peers see none offered
+            self.area_why = f"this agent cannot run the GPU paths: {no_kernel}"
+            log.info("GPU paths disabled: %s", no_kernel)
+        elif path != "direct" and (self.vram or path == "staged"):
+            self._make_area()
+        elif path == "direct":
+            self.area_why = "this agent's transfer_path is 'direct'"
+        else:
+            self.area_why = (f"this agent's cache is host memory and transfer_path is {path!r} "
+                             "(staged reads of host memory are served with transfer_path='staged')")
+        if self.vram and not no_kernel and path in ("auto", "ipc"):
+            try:
+                export = export_cache(geometry, self.host_id)
+                self.ipc = IpcWire(export.device, list(export.handles), export.alloc_index.tolist(),
+                                   export.offsets.tolist())
+            except KvxferError as exc:
+                log.info("CUDA IPC export of the cache failed (same-host peers use another path): %s", exc)
+
+    def _make_area(self) -> None:
+        cfg = self.config
+        try:
+            self.area = StagingArea(self.backend, self.device, cfg.pipeline_slot_bytes, cfg.pipeline_slots,
+                                    allocate=None if self.vram else host_allocate,
+                                    kind=MemKind.VRAM if self.vram else MemKind.DRAM)
+            self._slots = StagingAllocator(self.area.slots, align=1)
+        except (KvxferError, ImportError) as exc:
+            self.area_why = f"no staging area on this agent: {exc}"
+            log.warning("staged pipeline disabled: %s", self.area_why)
+
+    # ---- handshake -------------------------------------------------------------------
+    def peer_fields(self) -> dict:
+        """The ``PeerInfo`` fields this agent announces for the GPU paths."""
+        staging = None
+        if self.area is not None:
+            staging = StagingWire(self.area.addr, self.area.slot_bytes, self.area.slots, self.area.device,
+                                  self.area.kind.value)
+        return {"host_id": self.host_id, "ipc": self.ipc, "staging": staging}
+
+    # ---- executors -------------------------------------------------------------------
+    @property
+    def kernel(self) -> Any:
+        """The pair-copy executor for this cache's memory (ConfigError without cupy on a GPU)."""
+        with self._kernel_lock:
+            if self._kernel is None:
+                if self.vram:
+                    from kvxfer.gpu.ops import PairKernel  # noqa: PLC0415 - needs cupy
+
+                    self._kernel = PairKernel(self.device)
+                else:
+                    self._kernel = HostPairKernel(self.device)
+            return self._kernel
+
+    def launch_and_record(self, copies: list) -> tuple[list, Any]:
+        """Enqueue ``copies`` on this agent's CUDA stream, then an event; returns (launches, event).
+
+        The event's ``done`` turns True once the stream has passed every copy."""
+        kernel = self.kernel
+        with self._kernel_lock:  # one uploader at a time: the kernel's caches are not thread-safe
+            cp = kernel.cp
+            with cp.cuda.Device(self.device):
+                if self._stream is None:
+                    self._stream = cp.cuda.Stream(non_blocking=True)
+                launches = [kernel.launch(copy, self._stream.ptr) for copy in copies]
+                event = cp.cuda.Event(block=False, disable_timing=True)
+                event.record(self._stream)
+        return launches, event
+
+    # ---- staging slots ---------------------------------------------------------------
+    def slots_per_transfer(self, parts: int) -> int:
+        return max(1, min(4, self.area.slots // max(1, parts))) if self.area is not None else 0
+
+    def take_slots(self, count: int, deadline: float, stopped) -> SlotRange:
+        """Wait for ``count`` consecutive free slots; ``stopped()`` raising aborts the wait."""
+        while True:
+            with self._slot_lock:
+                first = self._slots.allocate(count)
+            if first is not None:
+                return self.area.subset(first, count)
+            stopped()
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"no {count} free staging slots before the deadline")
+            time.sleep(0.001)
+
+    def give_slots(self, slots: SlotRange) -> None:
+        with self._slot_lock:
+            self._slots.free((slots.addr - self.area.addr) // self.area.slot_bytes)
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._slots.in_use if self._slots is not None else 0
+
+    # ---- peers -----------------------------------------------------------------------
+    def ipc_why(self, link) -> str | None:
+        """None when ``link``'s cache is mapped here (mapping it on first use), else why not."""
+        state = link.paths.get("ipc")
+        if state is None:
+            state = link.paths["ipc"] = self._map(link)
+        return None if isinstance(state, IpcPeerCache) else state
+
+    def mapped(self, link) -> IpcPeerCache:
+        return link.paths["ipc"]
+
+    def _map(self, link) -> "IpcPeerCache | str":
+        info = link.info
+        if not self.vram:
+            return "the local cache is host memory"
+        if self.no_kernel:
+            return self.area_why
+        if info.mem_kind != MemKind.VRAM.value:
+            return f"peer {info.engine_id}'s cache is host memory"
+        if not info.host_id or info.host_id != self.host_id:
+            return f"peer {info.engine_id} is on another host"
+        if info.ipc is None:
+            return f"peer {info.engine_id} exported no CUDA IPC handles"
+        want = (link.spec.num_layers, link.spec.kv_count)
+        if (len(info.ipc.alloc_index), *{len(r) for r in info.ipc.alloc_index}) != want:
+            return f"peer {info.engine_id}'s IPC export does not cover its {want} regions"
+        try:
+            export = IpcExport.from_wire({"device": info.ipc.device, "handles": info.ipc.handles,
+                                          "alloc_index": info.ipc.alloc_index, "offsets": info.ipc.offsets})
+            mapping = IpcPeerCache(export, self.device)
+        except (ConfigError, RegistrationError) as exc:
+            log.info("peer %s: CUDA IPC mapping failed, using another path: %s", info.engine_id, exc)
+            return f"mapping peer {info.engine_id}'s cache failed: {exc}"
+        link.on_close.append(lambda: self._unmap(mapping))
+        return mapping
+
+    def _unmap(self, mapping: IpcPeerCache) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()  # no kernel may still read the peer's memory
+        mapping.close()
+
+    def staged_why(self, link) -> str | None:
+        """None when staged reads from ``link`` are possible, else why not."""
+        if self.area is None:
+            return self.area_why
+        staging = link.info.staging
+        if staging is None:
+            return f"peer {link.engine_id} serves no staged reads (no staging area announced)"
+        if staging.mem_kind not in (MemKind.DRAM.value, MemKind.VRAM.value):
+            return f"peer {link.engine_id} announced staging of kind {staging.mem_kind!r}"
+        return None
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        if self.area is not None:
+            self.area.close()

@@ -1,0 +1,86 @@
+"""Transfer parts that move their own bytes: an IPC kernel, a staged pipeline half (layer: agent).
+
+Both satisfy ``kvxfer.engine.transfers.Job``: ``poll`` never blocks (the progress thread
+calls it), ``cancel`` returns only once nothing the job started can still write memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from kvxfer.errors import KvxferError, TransferFailedError
+
+from kvxfer.agent.pipes import PipeLink
+
+__all__ = ["IpcJob", "PipelineJob"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class IpcJob:
+    """Pair-copy kernels already enqueued on a CUDA stream, followed by ``event``."""
+
+    def __init__(self, launches: list, event: Any, num_bytes: int, descriptors: int) -> None:
+        self._launches, self._event = launches, event  # launches keep the uploaded tables alive
+        self.num_bytes, self.descriptors = num_bytes, descriptors
+
+    def poll(self) -> bool:
+        if self._event.done:  # cudaEventQuery: never blocks
+            self._launches = []
+            return True
+        return False
+
+    def cancel(self) -> None:
+        # A launched kernel cannot be recalled: wait for it, so the caller may reuse the blocks.
+        self._event.synchronize()
+        self._launches = []
+
+
+class PipelineJob:
+    """Runs ``body()`` (one staged pipeline half) in a worker thread.
+
+    ``cancel`` stops the pipeline at its next receive on ``link`` and joins the thread;
+    ``cleanup`` (return slots, close the route) runs on the worker once ``body`` ended.
+    """
+
+    def __init__(self, name: str, body: Callable[[], None], link: PipeLink, cleanup: Callable[[], None],
+                 num_bytes: int, descriptors: int) -> None:
+        self.name, self._body, self.link, self._cleanup = name, body, link, cleanup
+        self.num_bytes, self.descriptors = num_bytes, descriptors
+        self.error: KvxferError | None = None
+        self.cancelled = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._body()
+        except KvxferError as exc:
+            self.error = exc
+        except Exception as exc:  # a bug must fail the transfer, not vanish with the thread
+            log.exception("%s", self.name)
+            self.error = TransferFailedError(f"{self.name}: {type(exc).__name__}: {exc}")
+        finally:
+            try:
+                self._cleanup()
+            finally:
+                self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def poll(self) -> bool:
+        if not self._done.is_set():
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def cancel(self, error: KvxferError | None = None) -> None:
+        self.cancelled = True
+        self.link.stop(error or TransferFailedError(f"{self.name}: cancelled"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(30)

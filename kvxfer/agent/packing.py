@@ -1,0 +1,145 @@
+"""The producer half of a staged read: check a ``PackRequest``, then pack and serve it (layer: agent).
+
+Everything in a ``PackRequest`` comes from a peer, so it is checked before anything changes:
+block ids inside both caches, the head range equal to the heads the two ranks share, the
+piece size between one pair and one staging slot, the tag unused, and the request held and
+claimed by this consumer. A bad value raises a typed error naming it and the allowed range
+(the side channel turns it into a ``Reject`` and the consumer's ``ProtocolError``); a request
+that is simply not held any more gets a ``Refuse``. Accepted requests are served by a worker
+running ``serve_read`` in a window of the staging slots; the job stops when the consumer
+aborts, the hold ends, or the agent closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from kvxfer.errors import BlockIdError, LayoutError, LeaseExpiredError, ProtocolError
+from kvxfer.engine.leases import LeaseTable
+from kvxfer.gpu.pairs import pack_pairs
+from kvxfer.gpu.staged import serve_read
+from kvxfer.layout import CacheView
+from kvxfer.protocol import PackReady, PeerInfo, Refuse, spec_from_wire
+from kvxfer.protocol.messages import PackRequest
+
+from kvxfer.agent.accel import PathKit
+from kvxfer.agent.jobs import PipelineJob
+from kvxfer.agent.reading import shared_heads
+
+__all__ = ["PackServer"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+def _check_ids(ids: list[int], bound: int, side: str) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size == 0:
+        raise BlockIdError(f"PackRequest {side} block ids: expected at least one id in [0, {bound})")
+    bad = arr[(arr < 0) | (arr >= bound)]
+    if bad.size:
+        raise BlockIdError(f"PackRequest {side} block id {int(bad[0])} outside [0, {bound})")
+    return arr
+
+
+class PackServer:
+    """Serves ``PackRequest``s for one producer agent. Thread-safe."""
+
+    def __init__(self, kit: PathKit, view: CacheView, leases: LeaseTable, lease_timeout: float) -> None:
+        self._kit, self._view, self._leases = kit, view, leases
+        self._lease_timeout = lease_timeout
+        self._jobs: dict[str, list[PipelineJob]] = {}
+        self._peers: dict[str, str] = {}   # consumer agent name -> the backend's name for it
+        self._lock = threading.Lock()
+
+    def handle(self, msg: PackRequest, peer: PeerInfo) -> PackReady | Refuse:
+        """Check ``msg`` from handshaken ``peer``; start serving it. Raises typed errors for bad input."""
+        kit = self._kit
+        if kit.area is None:
+            return Refuse(msg.request_id, f"staged reads are not served here: {kit.area_why}")
+        spec, consumer = self._view.spec, spec_from_wire(peer.spec)
+        p_ids = _check_ids(msg.block_ids, spec.num_blocks, "producer")
+        c_ids = _check_ids(msg.consumer_ids, consumer.num_blocks, "consumer")
+        start, stop = shared_heads(spec, consumer)
+        if (msg.head_start, msg.head_stop) != (start, stop):
+            raise LayoutError(f"PackRequest heads [{msg.head_start}, {msg.head_stop}): expected [{start}, {stop}) "
+                              f"(the heads rank {spec.tp_rank}/{spec.tp_size} shares with consumer rank "
+                              f"{consumer.tp_rank}/{consumer.tp_size})")
+        if p_ids.size * spec.block_size != c_ids.size * consumer.block_size:
+            raise BlockIdError(f"PackRequest ids must cover the same tokens: producer {p_ids.size} x "
+                               f"{spec.block_size}, consumer {c_ids.size} x {consumer.block_size}")
+        pack = pack_pairs(spec, self._view.geometry, p_ids, consumer, c_ids, 0)
+        if not pack.pair_bytes <= msg.piece_bytes <= kit.area.slot_bytes:
+            raise ProtocolError(f"PackRequest piece_bytes {msg.piece_bytes} outside "
+                                f"[{pack.pair_bytes}, {kit.area.slot_bytes}]")
+        refusal = self._leases.check_claimed(msg.request_id, peer.engine_id, p_ids)
+        if refusal:
+            return Refuse(msg.request_id, refusal)
+        pipe = kit.router.open(self._backend_name(peer), msg.tag, 0, 0)  # ProtocolError: tag in use
+        timeout = msg.timeout if 0 < msg.timeout <= self._lease_timeout else self._lease_timeout
+        deadline = time.monotonic() + timeout
+        count = kit.slots_per_transfer(1)
+        held: list = []
+
+        def body() -> None:
+            slots = kit.take_slots(count, deadline, pipe.check)
+            held.append(slots)
+            pipe.slot_offset = (slots.addr - kit.area.addr) // kit.area.slot_bytes
+            pipe.slot_count = slots.slots
+            serve_read(msg.tag, pack, slots, kit.kernel, pipe, deadline, msg.piece_bytes)
+
+        def cleanup() -> None:
+            kit.router.close(pipe)
+            for slots in held:
+                kit.give_slots(slots)
+
+        job = PipelineJob(f"kvxfer-serve-{msg.request_id}", body, pipe, cleanup, pack.nbytes, 0)
+        with self._lock:
+            self._jobs.setdefault(msg.request_id, []).append(job)
+        return PackReady(msg.request_id, 0, pack.nbytes)
+
+    def _backend_name(self, peer: PeerInfo) -> str:
+        """The backend's name for the consumer (loading its metadata once: we notify it)."""
+        with self._lock:
+            name = self._peers.get(peer.agent_name)
+        if name is None:
+            name = self._kit.backend.add_peer(peer.backend_metadata)
+            with self._lock:
+                self._peers[peer.agent_name] = name
+        return name
+
+    def cancel(self, request_id: str, why: str) -> None:
+        """Stop serving ``request_id`` (consumer abort, hold released or expired)."""
+        with self._lock:
+            jobs = self._jobs.pop(request_id, [])
+        for job in jobs:
+            if not job.done():
+                job.cancel(LeaseExpiredError(f"request {request_id!r} {why} while being served"))
+
+    def reap(self) -> None:
+        """Forget finished jobs, logging failures that were not cancellations."""
+        with self._lock:
+            for rid in list(self._jobs):
+                live = []
+                for job in self._jobs[rid]:
+                    if not job.done():
+                        live.append(job)
+                    elif job.error is not None and not job.cancelled:
+                        log.warning("staged read of %r failed on the producer: %s", rid, job.error)
+                if live:
+                    self._jobs[rid] = live
+                else:
+                    del self._jobs[rid]
+
+    def serving(self) -> int:
+        with self._lock:
+            return sum(not job.done() for jobs in self._jobs.values() for job in jobs)
+
+    def close(self) -> None:
+        with self._lock:
+            rids = list(self._jobs)
+        for rid in rids:
+            self.cancel(rid, "closed")

@@ -1,0 +1,68 @@
+"""Which way one read moves: CUDA IPC, staged pipeline or direct descriptors (layer: agent; pure).
+
+``choose_path`` is the whole policy, a pure function of the configured ``transfer_path`` and
+a few facts about the request, so it is tested on its own (tests/engine/test_paths.py).
+
+``auto``: ``ipc`` when every producer rank's cache is mapped here (same host, VRAM on both
+sides); else ``staged`` when the local cache is VRAM, the producers serve staged reads and the
+direct plan would be many short descriptors (more than ``MANY_DESCRIPTORS``, or a mean under
+``SHORT_DESCRIPTOR`` bytes); else ``direct``; else ``staged`` when direct descriptors cannot
+express the move (a VRAM cache with a layout conversion) and staging is available.
+A forced path that is not available raises ``ConfigError`` naming why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvxfer.errors import ConfigError
+
+__all__ = ["MANY_DESCRIPTORS", "SHORT_DESCRIPTOR", "PathFacts", "choose_path"]
+
+MANY_DESCRIPTORS = 1024
+SHORT_DESCRIPTOR = 1 << 20
+
+
+@dataclass(frozen=True)
+class PathFacts:
+    """What the choice depends on. A ``*_why`` is None when that path can serve the request,
+    else the reason it cannot (used in the error of a forced path)."""
+
+    ipc_why: str | None
+    staged_why: str | None
+    direct_why: str | None
+    local_vram: bool
+    descriptors: int
+    num_bytes: int
+
+
+def _many_short(facts: PathFacts) -> bool:
+    if facts.descriptors > MANY_DESCRIPTORS:
+        return True
+    return facts.descriptors > 0 and facts.num_bytes / facts.descriptors < SHORT_DESCRIPTOR
+
+
+def choose_path(configured: str, facts: PathFacts) -> str:
+    """``"ipc"``, ``"staged"`` or ``"direct"`` for one request.
+
+    Raises:
+        ConfigError: ``configured`` names a path this request cannot take (the message says
+            why), or no path can take it.
+    """
+    if configured in ("ipc", "staged", "direct"):
+        why = {"ipc": facts.ipc_why, "staged": facts.staged_why, "direct": facts.direct_why}[configured]
+        if why is not None:
+            raise ConfigError(f"transfer_path={configured!r} cannot move this request: {why}")
+        return configured
+    if configured != "auto":
+        raise ConfigError(f"transfer_path must be one of auto, ipc, staged, direct; got {configured!r}")
+    if facts.ipc_why is None:
+        return "ipc"
+    if facts.staged_why is None and facts.local_vram and _many_short(facts):
+        return "staged"
+    if facts.direct_why is None:
+        return "direct"
+    if facts.staged_why is None:
+        return "staged"
+    raise ConfigError(f"no transfer path can move this request: ipc: {facts.ipc_why}; "
+                      f"staged: {facts.staged_why}; direct: {facts.direct_why}")

@@ -1,0 +1,119 @@
+"""Staged-pipeline messages over the backend's notifications, routed by tag (layer: agent).
+
+The staged pipeline (``kvxfer.gpu.staged``) talks in 20-byte ``PipeMessage`` records. They
+travel as backend notifications next to the request-done notifications of ordinary reads;
+the progress loop hands every notification to ``PipeRouter.deliver`` first, which claims
+the pipeline ones (recognised by their magic prefix) and queues them on the ``PipeLink``
+of their (peer, tag), so they are never decoded as, or logged as bad, request-done notes.
+
+A ``PipeLink`` also translates slot numbers: a producer serves from a window of its staging
+area but announces absolute slot numbers, and every slot a peer names is checked against
+the window before the pipeline sees it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+
+from kvxfer.backend.base import Backend
+from kvxfer.errors import KvxferError, ProtocolError
+from kvxfer.gpu.staged import PipeMessage, is_pipe_message
+
+__all__ = ["PipeLink", "PipeRouter"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class PipeLink:
+    """``kvxfer.gpu.staged.Link`` for one transfer with one peer.
+
+    Args:
+        backend, peer: where ``send`` goes (the backend's name for the peer).
+        tag: the transfer's pipeline tag.
+        slot_offset: added to the slot of every message sent, subtracted from every one received.
+        slot_count: received slots (after the offset) must lie in ``[0, slot_count)``.
+    """
+
+    def __init__(self, backend: Backend, peer: str, tag: int, slot_offset: int, slot_count: int) -> None:
+        self.backend, self.peer, self.tag = backend, peer, tag
+        self.slot_offset, self.slot_count = slot_offset, slot_count
+        self._inbox: collections.deque[bytes] = collections.deque()
+        self._error: KvxferError | None = None
+
+    def send(self, message: bytes) -> None:
+        msg = PipeMessage.decode(message)
+        if msg is not None and self.slot_offset:
+            message = dataclasses.replace(msg, slot=msg.slot + self.slot_offset).encode()
+        self.backend.notify(self.peer, message)
+
+    def check(self) -> None:
+        """Raise the error ``stop`` was given, if it was."""
+        if self._error is not None:
+            raise self._error
+
+    def receive(self) -> list[bytes]:
+        """This transfer's messages since the last call. Raises the error ``stop`` was given."""
+        self.check()
+        out = []
+        while self._inbox:
+            msg = PipeMessage.decode(self._inbox.popleft())
+            slot = msg.slot - self.slot_offset
+            if not 0 <= slot < self.slot_count:
+                raise ProtocolError(f"pipeline message names slot {msg.slot}; expected "
+                                    f"[{self.slot_offset}, {self.slot_offset + self.slot_count})")
+            out.append(dataclasses.replace(msg, slot=slot).encode())
+        return out
+
+    def put(self, raw: bytes) -> None:
+        self._inbox.append(raw)
+
+    def stop(self, error: KvxferError) -> None:
+        """Make the pipeline using this link raise ``error`` at its next receive (cancellation)."""
+        self._error = error
+
+
+class PipeRouter:
+    """Routes pipeline notifications to open links by (peer, tag). Thread-safe."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._links: dict[tuple[str, int], PipeLink] = {}
+        self._lock = threading.Lock()
+
+    def open(self, peer: str, tag: int, slot_offset: int = 0, slot_count: int = 1 << 20) -> PipeLink:
+        """A link for a new transfer. Raises ProtocolError if (peer, tag) is already in use."""
+        link = PipeLink(self._backend, peer, tag, slot_offset, slot_count)
+        with self._lock:
+            if (peer, tag) in self._links:
+                raise ProtocolError(f"pipeline tag {tag} is already in use with peer {peer!r}")
+            self._links[(peer, tag)] = link
+        return link
+
+    def close(self, link: PipeLink) -> None:
+        with self._lock:
+            if self._links.get((link.peer, link.tag)) is link:
+                del self._links[(link.peer, link.tag)]
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._links)
+
+    def deliver(self, peer: str, raw: bytes) -> bool:
+        """Take ``raw`` if it is a pipeline message (True); False leaves it to the caller."""
+        if not is_pipe_message(raw):
+            return False
+        try:
+            msg = PipeMessage.decode(raw)
+        except ProtocolError as exc:
+            log.warning("dropping a bad pipeline message from %s: %s", peer, exc)
+            return True
+        with self._lock:
+            link = self._links.get((peer, msg.tag))
+        if link is None:  # a transfer that already ended (cancelled, failed or done)
+            log.debug("pipeline message for closed tag %d from %s", msg.tag, peer)
+            return True
+        link.put(raw)
+        return True

@@ -1,0 +1,193 @@
+"""The consumer half of ``Agent.read``: choose a path, then build the request's parts (layer: agent).
+
+``plan_read`` runs before the claim (it validates the ids through the layout plan and picks
+the path with ``choose_path``); ``ReadRoute.start`` runs after the producers granted the
+claim and returns the engine ``Part`` of each producer rank:
+
+* ``direct``: the layout plan's descriptors (the backend notifies the producer on completion);
+* ``ipc``: one ``direct_pairs`` kernel per producer rank on the agent's CUDA stream, reading
+  the peer's cache through its CUDA IPC mapping, then an event the progress loop polls;
+* ``staged``: a ``PackRequest`` per producer rank (it packs into its staging area and
+  announces pieces), and a worker running ``fetch_read`` into its own window of our staging
+  slots.
+
+For ``ipc`` and ``staged`` the engine sends the producer the request-done notification once
+the part finished, exactly what a NIXL read carries, so the producer's lease ends the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
+from kvxfer.engine.transfers import Part
+from kvxfer.gpu.pairs import direct_pairs, overlap, unpack_pairs
+from kvxfer.gpu.staged import fetch_read
+from kvxfer.layout import CacheView
+from kvxfer.layout.request import check_block_ids
+from kvxfer.layout.tp import head_range
+from kvxfer.protocol import PackReady, Refuse
+from kvxfer.protocol.messages import PackRequest
+from kvxfer.types import MemKind
+
+from kvxfer.agent.accel import PathKit
+from kvxfer.agent.jobs import IpcJob, PipelineJob
+from kvxfer.agent.paths import PathFacts, choose_path
+
+__all__ = ["ReadRoute", "plan_read", "shared_heads", "new_tag"]
+
+_tags = itertools.count(secrets.randbits(48))
+_tag_lock = threading.Lock()
+
+
+def new_tag() -> int:
+    """A pipeline tag unique in this process (random start: a restarted process does not reuse tags)."""
+    with _tag_lock:
+        return next(_tags) % (1 << 64)
+
+
+def shared_heads(producer, consumer) -> tuple[int, int]:
+    """Global KV-head range ``[start, stop)`` the consumer rank needs from the producer rank.
+
+    Raises LayoutError when they share none (or are not the same model cache)."""
+    ov = overlap(producer, consumer)
+    if ov is None:
+        raise LayoutError(f"producer rank {producer.tp_rank}/{producer.tp_size} holds no head consumer rank "
+                          f"{consumer.tp_rank}/{consumer.tp_size} needs")
+    if producer.mla:
+        return 0, 1
+    first = head_range(producer.num_kv_heads, producer.tp_size, producer.tp_rank)[0]
+    return first + ov.src_head, first + ov.src_head + ov.heads
+
+
+@dataclass
+class ReadRoute:
+    """A chosen path and what ``start`` needs; ``mode`` is the path ("ipc", "staged", "direct")."""
+
+    mode: str
+    links: list
+    local: np.ndarray
+    remote: np.ndarray
+    request_id: str
+    note: bytes
+    requests: list = field(default_factory=list)  # layout RequestPlans, one per link
+
+    def start(self, kit: PathKit, view: CacheView, timeout: float | None, ask_timeout: float) -> list[Part]:
+        """Start the transfer; returns one engine Part per producer rank.
+
+        Raises KvxferError when a producer refuses or a launch fails; parts already started
+        are cancelled first."""
+        if self.mode == "direct":
+            return [Part(link.agent_name, req, link.view.geometry.kind, self.note)
+                    for link, req in zip(self.links, self.requests)]
+        if self.mode == "ipc":
+            return self._start_ipc(kit, view)
+        parts: list[Part] = []
+        try:
+            for link in self.links:
+                parts.append(self._start_staged(kit, view, link, timeout, ask_timeout))
+        except BaseException:
+            for part in parts:
+                part.job.cancel()
+            raise
+        return parts
+
+    def _start_ipc(self, kit: PathKit, view: CacheView) -> list[Part]:
+        parts = []
+        for link in self.links:
+            copy = direct_pairs(link.spec, kit.mapped(link).geometry, self.remote, view.spec, view.geometry,
+                                self.local)
+            launches, event = kit.launch_and_record([copy])
+            parts.append(Part(link.agent_name, None, link.view.geometry.kind, self.note,
+                              job=IpcJob(launches, event, copy.nbytes, 1)))
+        return parts
+
+    def _start_staged(self, kit: PathKit, view: CacheView, link, timeout: float | None,
+                      ask_timeout: float) -> Part:
+        staging = link.info.staging
+        unpack = unpack_pairs(link.spec, self.remote, view.spec, view.geometry, self.local, 0)
+        piece = min(kit.area.slot_bytes, staging.slot_bytes)
+        tag = new_tag()
+        pipe = kit.router.open(link.agent_name, tag, 0, staging.slots)
+        start, stop = shared_heads(link.spec, view.spec)
+        seconds = timeout if timeout is not None else 0.0
+        try:
+            reply = link.ask(PackRequest(self.request_id, self.remote.tolist(), start, stop,
+                                         self.local.tolist(), tag, piece, seconds), ask_timeout)
+            if isinstance(reply, Refuse):
+                raise TransferFailedError(f"producer {link.engine_id} refused the staged read of "
+                                          f"{self.request_id!r}: {reply.reason}")
+            if not isinstance(reply, PackReady) or reply.nbytes != unpack.nbytes:
+                raise ProtocolError(f"PackReady for {self.request_id!r}: expected {unpack.nbytes} bytes; "
+                                    f"got {getattr(reply, 'nbytes', type(reply).__name__)}")
+        except BaseException:
+            kit.router.close(pipe)
+            raise
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        count = kit.slots_per_transfer(len(self.links))
+        held: list = []
+
+        def body() -> None:
+            slots = kit.take_slots(count, deadline, pipe.check)  # raises once cancelled
+            held.append(slots)
+            fetch_read(tag, unpack, slots, kit.kernel, pipe, kit.backend, link.agent_name,
+                       lambda s: staging.addr + s * staging.slot_bytes, staging.device, deadline, piece,
+                       remote_kind=MemKind(staging.mem_kind))
+
+        def cleanup() -> None:
+            kit.router.close(pipe)
+            for slots in held:
+                kit.give_slots(slots)
+
+        job = PipelineJob(f"kvxfer-fetch-{self.request_id}", body, pipe, cleanup, unpack.nbytes,
+                          -(-unpack.nbytes // piece))
+        return Part(link.agent_name, None, link.view.geometry.kind, self.note, job=job)
+
+
+def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local: np.ndarray,
+              remote: np.ndarray, request_id: str, note: bytes, allow_conversion: bool) -> ReadRoute:
+    """Validate the request against every producer rank and choose its path.
+
+    Raises: BlockIdError / LayoutError (bad ids or specs), ConfigError (a forced path that
+    cannot serve this request, naming why)."""
+    plans = [link.plan(view, allow_conversion=allow_conversion) for link in links]
+    if configured in ("auto", "ipc") and links and all(kit.ipc_why(link) is None for link in links):
+        # The kernel reads block ids, not descriptors: check the ids and skip the descriptor tables.
+        for link in links:
+            _check_ids(view.spec, local, link.spec, remote)
+        return ReadRoute("ipc", links, local, remote, request_id, note)
+    requests = [plan.for_request(local, remote) for plan in plans]
+    descriptors = sum(int(r.local.shape[0]) for r in requests)
+    num_bytes = sum(int(r.num_bytes) for r in requests)
+    direct_why = None
+    if kit.vram and any(r.staging_bytes for r in requests):
+        direct_why = "the layouts differ and a GPU cache has no host staging for the layout plan"
+    facts = PathFacts(ipc_why=_first(kit.ipc_why(link) for link in links) if links else "no producer rank",
+                      staged_why=_first(kit.staged_why(link) for link in links) if links else "no producer rank",
+                      direct_why=direct_why, local_vram=kit.vram, descriptors=descriptors, num_bytes=num_bytes)
+    mode = choose_path(configured, facts)
+    return ReadRoute(mode, links, local, remote, request_id, note, requests)
+
+
+def _check_ids(local_spec, local: np.ndarray, remote_spec, remote: np.ndarray) -> None:
+    """The checks the layout plan runs on a request's ids, without building its descriptors."""
+    check_block_ids("local", local, local_spec.num_blocks)
+    check_block_ids("remote", remote, remote_spec.num_blocks)
+    if local.size * local_spec.block_size != remote.size * remote_spec.block_size:
+        raise BlockIdError(
+            f"local and remote block lists must cover the same tokens; local {local.size} blocks x "
+            f"{local_spec.block_size} = {local.size * local_spec.block_size} tokens, remote {remote.size} "
+            f"blocks x {remote_spec.block_size} = {remote.size * remote_spec.block_size} tokens")
+
+
+def _first(reasons) -> str | None:
+    for why in reasons:
+        if why is not None:
+            return why
+    return None

@@ -1,0 +1,95 @@
+"""Host twins of the GPU executors: the pair-copy "kernel" on host memory (layer: gpu; numpy only, never nixl/zmq).
+
+``HostPairKernel`` has what ``kvxfer.gpu.staged`` needs of a ``PairKernel`` (``device``,
+``launch(copy, stream)`` and a ``cp.cuda`` namespace with ``Device``, ``Stream`` and
+``Event``), so the staged pipeline with producer-side pack runs unchanged on DRAM caches:
+CI exercises the whole protocol between two processes over real NIXL without a GPU. Copies
+run synchronously inside ``launch``, so every event is complete when recorded. The tables are
+the GPU's (``PairCopy.src``/``.dst`` compute on the host what the kernel computes on the GPU).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+
+from kvxfer.gpu.pairs import PairCopy
+
+__all__ = ["HostPairKernel"]
+
+
+class _Event:
+    """A recorded point on a host "stream": the work before it already ran."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = True) -> None:
+        self.done = False
+
+    def record(self, stream: Any = None) -> None:
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Stream:
+    ptr = 0
+
+    def __init__(self, non_blocking: bool = True) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Device:
+    def __init__(self, device: int = 0) -> None:
+        pass
+
+    def __enter__(self) -> "_Device":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class HostPairKernel:
+    """Executes ``PairCopy`` tables whose addresses are host memory of this process.
+
+    Each pair's box is copied through two strided numpy views (``tokens x heads x
+    vector_bytes``), so the cost is one small numpy assignment per pair, never an index per
+    byte. The views address raw pointers of the copy: the caller guarantees they are valid
+    (the agent only builds tables over its registered cache and staging area).
+    """
+
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=_Device, Stream=_Stream, Event=_Event))
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = int(device)
+
+    def launch(self, copy: PairCopy, stream: int | None = None) -> None:
+        if copy.n == 0:
+            return None
+        vb = copy.vector_bytes
+        shape = (copy.tokens, copy.heads, vb)
+        s_strides = (copy.src_ts * vb, copy.src_hs * vb, 1)
+        d_strides = (copy.dst_ts * vb, copy.dst_hs * vb, 1)
+        s_extent = _extent(shape, s_strides)
+        d_extent = _extent(shape, d_strides)
+        for s, d in zip(copy.src.tolist(), copy.dst.tolist()):
+            src = np.lib.stride_tricks.as_strided(_host_bytes(s, s_extent), shape, s_strides)
+            dst = np.lib.stride_tricks.as_strided(_host_bytes(d, d_extent), shape, d_strides)
+            dst[...] = src
+        return None
+
+
+def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Bytes from a box's first byte to one past its last."""
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+
+
+def _host_bytes(addr: int, nbytes: int) -> np.ndarray:
+    import ctypes  # noqa: PLC0415 - only the host twin needs raw pointers
+
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU-host run of the Agent's GPU paths (issue 6): GPU tests, the example, and `kvxfer bench`
+# timing the public Agent.read per path. Works on a one-GPU host (both processes on GPU 0).
+#   bash scripts/device_agent.sh            (wheels in .whl/, see docs/benchmarks-gpu.md)
+set -uo pipefail
+OUT=${OUT:-/tmp/kvxfer-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+date -u; nvidia-smi -L
+P=$(python3 -c "import torch; print(1 if torch.cuda.device_count() > 1 else 0)")
+timeout 200 python3 -m pytest -q -rs -x tests/gpu tests/integration/test_staged_nixl.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -n 25
+timeout 60 python3 examples/gpu_read.py 2>&1 | grep -v "NIXL INFO" | tail -n 8
+B="python3 -m kvxfer.bench.cli --preset llama-3-8b --device gpu --iters 5 --warmup 2 --producer-gpu $P --consumer-gpu 0"
+b() { local tag=$1; shift; echo "### $*"; timeout 100 $B "$@" --json "$OUT/$tag.json" 2>"$OUT/$tag.err" | grep -E "^[0-9]+ "
+      grep -E "ERROR|Error" "$OUT/$tag.err" | cut -c1-300 | head -3; }
+for p in auto staged direct; do
+  b same-$p --scenario same --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path $p
+done
+b tp12-auto --scenario tp1-2 --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto
+b hnd-auto --scenario hnd-nhd --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto
+b tp21-auto --scenario tp2-1 --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto

@@ -1,0 +1,95 @@
+"""The per-request path choice (``kvxfer.agent.paths.choose_path``) and pipeline routing, as pure logic."""
+
+import pytest
+
+from kvxfer.agent.paths import MANY_DESCRIPTORS, SHORT_DESCRIPTOR, PathFacts, choose_path
+from kvxfer.agent.pipes import PipeRouter
+from kvxfer.backend.fake import FakeBackend, FakeWorld
+from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError
+from kvxfer.gpu.staged import FREE, READY, PipeMessage
+
+
+def facts(ipc=None, staged=None, direct=None, vram=True, descriptors=4096, num_bytes=4096 * 32768):
+    return PathFacts(ipc, staged, direct, vram, descriptors, num_bytes)
+
+
+def test_auto_prefers_ipc_when_mapped():
+    assert choose_path("auto", facts()) == "ipc"
+
+
+@pytest.mark.parametrize("descriptors,num_bytes,want", [
+    (MANY_DESCRIPTORS + 1, (MANY_DESCRIPTORS + 1) * (4 << 20), "staged"),   # many, long
+    (16, 16 * (SHORT_DESCRIPTOR - 1), "staged"),                            # few, short
+    (16, 16 * SHORT_DESCRIPTOR, "direct"),                                  # few, long
+    (MANY_DESCRIPTORS, MANY_DESCRIPTORS * SHORT_DESCRIPTOR, "direct"),      # at both limits
+])
+def test_auto_without_ipc_picks_staged_for_many_or_short_descriptors(descriptors, num_bytes, want):
+    assert choose_path("auto", facts(ipc="other host", descriptors=descriptors, num_bytes=num_bytes)) == want
+
+
+def test_auto_on_host_memory_stays_direct():
+    assert choose_path("auto", facts(ipc="host memory", vram=False)) == "direct"
+
+
+def test_auto_falls_back_to_staged_when_direct_cannot_and_to_direct_when_staging_is_missing():
+    assert choose_path("auto", facts(ipc="x", direct="layouts differ", descriptors=1,
+                                     num_bytes=1 << 30)) == "staged"
+    assert choose_path("auto", facts(ipc="x", staged="no staging area")) == "direct"
+
+
+def test_auto_with_no_path_names_every_reason():
+    with pytest.raises(ConfigError, match="ipc: a; staged: b; direct: c"):
+        choose_path("auto", facts(ipc="a", staged="b", direct="c"))
+
+
+@pytest.mark.parametrize("path", ["ipc", "staged", "direct"])
+def test_forced_path_is_taken_or_refused_with_the_reason(path):
+    assert choose_path(path, facts()) == path
+    why = {"ipc": "peer is on another host", "staged": "no staging", "direct": "layouts differ"}[path]
+    with pytest.raises(ConfigError, match=f"transfer_path='{path}' cannot move this request: {why}"):
+        choose_path(path, facts(**{path: why}))
+
+
+def test_unknown_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="got 'fast'"):
+        choose_path("fast", facts())
+
+
+def _router():
+    world = FakeWorld()
+    a, b = FakeBackend("a", world), FakeBackend("b", world)
+    a.add_peer(b.metadata())
+    b.add_peer(a.metadata())
+    return a, b, PipeRouter(b)
+
+
+def test_router_takes_pipeline_messages_by_tag_and_leaves_the_rest():
+    a, b, router = _router()
+    link = router.open("a", 7, slot_offset=4, slot_count=2)
+    assert router.deliver("a", PipeMessage(READY, 7, 0, 5).encode())
+    assert router.deliver("a", PipeMessage(READY, 8, 0, 5).encode())   # closed tag: taken, dropped
+    assert not router.deliver("a", b"a request-done notification")
+    assert [PipeMessage.decode(m) for m in link.receive()] == [PipeMessage(READY, 7, 0, 1)]
+    link.send(PipeMessage(FREE, 7, 0, 1).encode())                      # sent with the window offset
+    assert [PipeMessage.decode(m) for _, m in a.notifications()] == [PipeMessage(FREE, 7, 0, 5)]
+
+
+def test_router_refuses_a_slot_outside_the_window_and_a_tag_in_use():
+    _, _, router = _router()
+    link = router.open("a", 7, slot_offset=4, slot_count=2)
+    with pytest.raises(ProtocolError, match="tag 7 is already in use"):
+        router.open("a", 7)
+    router.deliver("a", PipeMessage(FREE, 7, 0, 9).encode())
+    with pytest.raises(ProtocolError, match=r"slot 9; expected \[4, 6\)"):
+        link.receive()
+
+
+def test_stopped_link_raises_its_error_and_closing_frees_the_tag():
+    _, _, router = _router()
+    link = router.open("a", 3)
+    link.stop(TransferFailedError("cancelled"))
+    with pytest.raises(TransferFailedError, match="cancelled"):
+        link.receive()
+    router.close(link)
+    assert router.active() == 0
+    router.open("a", 3)
