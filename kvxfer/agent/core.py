@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import Sequence
 
 import msgspec
@@ -18,6 +19,7 @@ import numpy as np
 
 from kvxfer.agent.accel import PathKit
 from kvxfer.agent.packing import PackServer
+from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reading import plan_read
 from kvxfer.agent.reports import Finished, Reports
@@ -87,6 +89,7 @@ class Agent:
                                     getattr(backend, "connect", None))
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
+        self._done = DoneSender(self.engine_id, self.config.handshake_timeout)
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
         self._wake = threading.Event()
@@ -185,7 +188,9 @@ class Agent:
             try:
                 route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
                                   request_id, note, self.config.allow_conversion)
+                claim_started = time.perf_counter()
                 self._claim(request_id, remote_ids, links + notify_only)
+                claimed = time.perf_counter() - claim_started
                 break
             except PeerLostError:
                 for link in links + notify_only:
@@ -199,10 +204,13 @@ class Agent:
         parts = []
         try:
             parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
+            for link, part in zip(route.links, parts):
+                if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
+                    part.on_done = partial(self._done.send, link, request_id)
             handle = self._engine.submit(request_id, Direction.READ, parts, timeout=timeout,
                                          on_success=on_success,
                                          mode=None if route.mode == "direct" else route.mode,
-                                         setup_seconds=time.perf_counter() - started)
+                                         setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
         except KvxferError:
             for part in parts:
                 if part.job is not None:
@@ -288,6 +296,7 @@ class Agent:
             self._engine.close()
         if self._packer is not None:
             self._packer.close()
+        self._done.close()
         self._peers.close()
         if self._kit is not None:
             self._kit.close()

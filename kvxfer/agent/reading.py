@@ -167,7 +167,8 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
     num_bytes = sum(int(r.num_bytes) for r in requests)
     direct_why = None
     if kit.vram and any(r.staging_bytes for r in requests):
-        direct_why = "the layouts differ and a GPU cache has no host staging for the layout plan"
+        direct_why = ("the layout plan is not plain byte ranges (head slices or a layout change) and its "
+                      "host staging step does not apply to a GPU cache")
     facts = PathFacts(ipc_why=_first(kit.ipc_why(link) for link in links) if links else "no producer rank",
                       staged_why=_first(kit.staged_why(link) for link in links) if links else "no producer rank",
                       direct_why=direct_why, local_vram=kit.vram, descriptors=descriptors, num_bytes=num_bytes)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvxfer.errors import KvxferError
 from kvxfer.layout import expected_notifications
 from kvxfer.protocol import (
-    Abort, Ack, Claim, Grant, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse, ServerSession,
+    Abort, Ack, Claim, Done, Grant, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse, ServerSession,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +57,9 @@ class ProducerService:
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
             leases.release(message.request_id, "aborted")
+            return Ack()
+        if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
+            leases.done(message.request_id, message.engine_id)
             return Ack()
         if isinstance(message, PackRequest):
             packer = self._agent._packer

@@ -284,6 +284,8 @@ def agent(w, requests, tokens, iters, warmup, options):
     local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
     modes: set[str] = set()
     setup: list[float] = []
+    posted: list[float] = []
+    claims: list[float] = []
 
     def body(it):
         t0 = time.perf_counter()
@@ -293,11 +295,16 @@ def agent(w, requests, tokens, iters, warmup, options):
         seconds = time.perf_counter() - t0
         modes.add(stats.mode)
         setup.append(stats.setup_seconds)
+        posted.append(stats.seconds)
+        claims.append(stats.claim_seconds)
         return seconds
 
     result = _loop(w, iters, warmup, body)
     result["modes"] = sorted(modes)
-    result["setup_ms"] = sorted(setup)[len(setup) // 2] * 1e3 if setup else None  # median, warm-up included
+    # medians (warm-up included): before the post (ids, path, claims, tables, launch) and after it
+    result["setup_ms"] = sorted(setup)[len(setup) // 2] * 1e3 if setup else None
+    result["posted_ms"] = sorted(posted)[len(posted) // 2] * 1e3 if posted else None
+    result["claim_ms"] = sorted(claims)[len(claims) // 2] * 1e3 if claims else None
     return result
 
 

@@ -218,7 +218,8 @@ def _short(row: dict) -> str:
         return f"{row['method']}: skipped ({row['skipped']})"
     modes = f", path {'/'.join(row['modes'])}" if row.get("modes") else ""
     if row.get("setup_ms") is not None:
-        modes += f", setup {row['setup_ms']:.3f} ms"
+        modes += (f", setup {row['setup_ms']:.3f} ms (claims {row['claim_ms']:.3f}), "
+                  f"post to done {row['posted_ms']:.3f} ms")
     return (f"{row['method']}: {row['gbps']:.1f} GB/s, median {row['median_s'] * 1e3:.3f} ms, "
             f"verified {row['verified']}/{row['verified'] + row['failed']}{modes}")
 

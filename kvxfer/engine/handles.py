@@ -15,8 +15,10 @@ __all__ = ["TransferHandle", "TransferStats"]
 class TransferStats:
     """What one request moved: payload bytes, descriptors posted, seconds from post to completion.
 
-    ``setup_seconds``: the caller's time before the post (checking ids, choosing the path, the
-    producers' claim round trips, building tables, launching kernels); ``seconds`` starts after it.
+    ``setup_seconds``: from the call until the transfer was posted (checking ids, choosing the
+    path, the producers' claim round trips, tables, kernel launches; on host memory UCX may also
+    move data inside the post); ``claim_seconds`` is the claims' share of it; ``seconds`` runs
+    from the post to completion.
     """
 
     request_id: str
@@ -26,6 +28,7 @@ class TransferStats:
     mode: str = "direct"
     peers: int = 0
     setup_seconds: float = 0.0
+    claim_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

@@ -54,6 +54,7 @@ class Part:
     remote_kind: MemKind
     notification: bytes
     job: Job | None = None
+    on_done: Callable[[], None] | None = None  # a job part's completion notice (else backend.notify)
     xfer: XferId | None = None
     staging_offset: int | None = None
     done: bool = False
@@ -110,7 +111,8 @@ class TransferEngine:
     # ---- submission --------------------------------------------------------------
     def submit(self, request_id: str, direction: Direction, parts: list[Part], *,
                timeout: float | None, on_success: Callable[[], None] | None = None,
-               mode: str | None = None, setup_seconds: float = 0.0) -> TransferHandle:
+               mode: str | None = None, setup_seconds: float = 0.0,
+               claim_seconds: float = 0.0) -> TransferHandle:
         """Post every part now and return the request's handle (``mode`` names the path in its stats).
 
         Raises:
@@ -125,7 +127,7 @@ class TransferEngine:
             mode = "staged" if any(p.job is None and p.plan.staging_bytes for p in parts) else "direct"
         req = _Request(handle, direction, parts, None if timeout is None else now + timeout,
                        time.perf_counter(), mode, on_success)
-        req.stats.setup_seconds = setup_seconds
+        req.stats.setup_seconds, req.stats.claim_seconds = setup_seconds, claim_seconds
         with self._lock:
             if request_id in self._requests or request_id in self._posting:
                 raise TransferFailedError(f"request {request_id!r} already has a transfer in flight")
@@ -197,7 +199,10 @@ class TransferEngine:
             if part.job is not None:
                 if part.job.poll():
                     part.done = True
-                    self._backend.notify(part.peer, part.notification)
+                    if part.on_done is not None:
+                        part.on_done()
+                    else:
+                        self._backend.notify(part.peer, part.notification)
                 continue
             state = self._backend.state(part.xfer)
             if state is XferState.PENDING:

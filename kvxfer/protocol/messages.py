@@ -236,9 +236,17 @@ class PackReady(_Msg, frozen=True):
     nbytes: NonNeg
 
 
+class Done(_Msg, frozen=True):
+    """Consumer -> producer: this consumer finished reading the request (the paths that move
+    bytes without a NIXL transfer to carry the completion notification: CUDA IPC, staged)."""
+
+    request_id: Id
+    engine_id: Id
+
+
 Message = Union[
     Hello, Welcome, Reject, Claim, Grant, Refuse, Heartbeat, HeartbeatAck,
-    Abort, Ack, PackRequest, PackReady,
+    Abort, Ack, PackRequest, PackReady, Done,
 ]
 
 #: Messages a client may send once ready, and the replies each one may get.
@@ -247,6 +255,7 @@ REPLIES: dict[type, tuple[type, ...]] = {
     Heartbeat: (HeartbeatAck,),
     Abort: (Ack, Refuse),
     PackRequest: (PackReady, Refuse),
+    Done: (Ack, Refuse),
 }
 
 

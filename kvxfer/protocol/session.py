@@ -32,6 +32,7 @@ from kvxfer.protocol.messages import (
     REPLIES,
     Abort,
     Claim,
+    Done,
     Heartbeat,
     Hello,
     Message,
@@ -262,7 +263,7 @@ class ServerSession:
         return self.codec.encode(Welcome(self.local))
 
     def _on_request(self, msg: Message) -> bytes:
-        if isinstance(msg, (Claim, Heartbeat, Abort)) and msg.engine_id != self.peer.engine_id:
+        if isinstance(msg, (Claim, Heartbeat, Abort, Done)) and msg.engine_id != self.peer.engine_id:
             return self._reject(
                 "state", f"engine_id: expected {self.peer.engine_id!r} (handshaken); got {msg.engine_id!r}"
             )
