@@ -11,14 +11,13 @@ if [ -d .whl ]; then
 fi
 date -u; nvidia-smi -L
 P=$(python3 -c "import torch; print(1 if torch.cuda.device_count() > 1 else 0)")
-timeout 200 python3 -m pytest -q -rs -x tests/gpu tests/integration/test_staged_nixl.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -n 25
+timeout 200 python3 -m pytest -q -rs tests/gpu tests/integration/test_staged_nixl.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -n 25
 timeout 60 python3 examples/gpu_read.py 2>&1 | grep -v "NIXL INFO" | tail -n 8
 B="python3 -m kvxfer.bench.cli --preset llama-3-8b --device gpu --iters 5 --warmup 2 --producer-gpu $P --consumer-gpu 0"
-b() { local tag=$1; shift; echo "### $*"; timeout 100 $B "$@" --json "$OUT/$tag.json" 2>"$OUT/$tag.err" | grep -E "^[0-9]+ "
+b() { local tag=$1; shift; echo "### $*"; timeout 100 $B "$@" --json "$OUT/$tag.json" 2>"$OUT/$tag.err" | grep -E "^[0-9]+ "; grep -h "kvxfer-agent:" "$OUT/$tag.err" | cut -c24-
       grep -E "ERROR|Error" "$OUT/$tag.err" | cut -c1-300 | head -3; }
-for p in auto staged direct; do
-  b same-$p --scenario same --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path $p
-done
+b same-auto --scenario same --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto
+b contig-auto --scenario same --ids contiguous --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto
 b tp12-auto --scenario tp1-2 --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto
 b hnd-auto --scenario hnd-nhd --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto
 b tp21-auto --scenario tp2-1 --ids fragmented --methods peer-copy,kvxfer-ipc,kvxfer-agent --gpu-path auto

@@ -254,7 +254,9 @@ def _agent_config(options: dict, port: int):
     extra = {}
     if options.get("slot_bytes"):
         extra = dict(pipeline_slot_bytes=options["slot_bytes"], pipeline_slots=options["slots"])
-    return AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port,
+    # The producer's agent starts (NIXL agent, cache registration, IPC export) while the
+    # consumer already knocks: give the first handshake more than the default 10 s.
+    return AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, handshake_timeout=60.0,
                        transfer_path=options.get("transfer_path") or "auto", **extra)
 
 
