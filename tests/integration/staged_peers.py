@@ -1,88 +1,22 @@
-"""Producer ranks for the staged-path tests: spawned processes over real NIXL (UCX) + ZMQ, in DRAM.
-
-Like ``nixl_peers.Producer``, plus a view of the producer's staged-read state and a stall:
-``stall_after=n`` makes the producer's pack stream stop completing after ``n`` pieces (the host
-kernel's events never complete again), so a test can act while a transfer is surely mid-way.
-"""
-
-import multiprocessing as mp
+"""Producer ranks for the staged-path tests (``nixl_peers.Producer`` with staged defaults) and
+the logical-KV oracle they check reads against."""
 
 import numpy as np
 
-from kvxfer import Agent, AgentConfig, KVSpec
+from kvxfer import KVSpec
 
-from nixl_peers import cache_for
-
-
-def _stall(after: int) -> None:
-    import kvxfer.gpu.host as host
-
-    count = [0]
-
-    def record(self, stream=None):
-        count[0] += 1
-        self.done = count[0] <= after
-
-    host._Event.record = record
+from nixl_peers import Producer
 
 
-def _producer(spec_kwargs: dict, seed: int, port: int, holds: dict, cmd, out, cfg: dict,
-              stall_after: int | None) -> None:
-    if stall_after is not None:
-        _stall(stall_after)
-    spec = KVSpec(**spec_kwargs)
-    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
-    with Agent(f"producer{spec.tp_rank}", spec, config) as agent:
-        agent.register(cache_for(spec, seed))
-        agent.listen()
-        for rid, blocks in holds.items():
-            agent.hold(rid, blocks)
-        out.put(("ready", agent.address))
-        while True:
-            what = cmd.get(timeout=120)
-            if what == "stop":
-                return
-            if what == "finished":
-                fin = agent.finished()
-                out.put((sorted(fin.sent), sorted(fin.expired)))
-            elif what == "holding":
-                out.put(sorted(rid for rid in holds if agent.holding(rid)))
-            elif what == "serving":  # staged reads being served, staging slots in use
-                out.put((agent._packer.serving(), agent._kit.slots_in_use))
-
-
-class StagedProducer:
-    """A producer rank (``transfer_path="staged"`` by default) in a spawned process."""
+class StagedProducer(Producer):
+    """A producer rank with ``transfer_path="staged"`` and a small staging area by default."""
 
     def __init__(self, spec: KVSpec, seed: int, port: int, holds: dict, stall_after: int | None = None,
                  **cfg) -> None:
         cfg.setdefault("transfer_path", "staged")
         cfg.setdefault("pipeline_slot_bytes", 16 << 10)
         cfg.setdefault("pipeline_slots", 4)
-        ctx = mp.get_context("spawn")
-        self.cmd, self.out = ctx.Queue(), ctx.Queue()
-        kwargs = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-        self.proc = ctx.Process(target=_producer,
-                                args=(kwargs, seed, port, holds, self.cmd, self.out, cfg, stall_after),
-                                daemon=True)
-        self.proc.start()
-        tag, self.address = self.out.get(timeout=300)  # generous: CI hosts can be loaded
-        assert tag == "ready"
-
-    def ask(self, what: str):
-        self.cmd.put(what)
-        return self.out.get(timeout=60)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(20)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.cmd.put("stop")
-            self.proc.join(20)
-        if self.proc.is_alive():
-            self.proc.kill()
+        super().__init__(spec, seed, port, holds, stall_after, **cfg)
 
 
 def logical(spec: KVSpec, cache: list[np.ndarray], ids) -> np.ndarray:

@@ -146,8 +146,8 @@ def test_read_with_nixl_progress_threads_off_on_both_sides(producers):
     producers.append(prod)
     cons, cache = consumer(spec, nixl_progress_thread=False)
     with cons:
-        cons.read(prod.address, dst_ids, src_ids, "q").wait(30)
+        cons.read(prod.address, dst_ids, src_ids, "q").wait(120)  # a bound, not a speed check
         src = cache_for(spec, 4)
         for layer in range(spec.num_layers):
             np.testing.assert_array_equal(cache[layer][:, dst_ids], src[layer][:, src_ids])
-        assert poll(lambda: prod.ask("holding"), []) == []
+        assert poll(lambda: prod.ask("holding"), [], timeout=60) == []
