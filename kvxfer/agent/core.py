@@ -175,7 +175,9 @@ class Agent:
 
         Raises (at once): PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError,
         LeaseExpiredError (the producer no longer holds the request). Errors during the
-        transfer surface from the handle.
+        transfer surface from the handle. On the same-host IPC path the kernel starts before
+        the claim's answer (the round trip overlaps it): when the claim is refused, the
+        destination ``local_blocks`` may have been written; nothing else is.
         """
         started = time.perf_counter()
         self._check_open()
@@ -183,27 +185,37 @@ class Agent:
         local = _ids(local_blocks, self.spec.num_blocks, "local")
         remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
         note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        parts: list = []
         for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
             links, notify_only = self._links_for(remote)
             try:
                 route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
                                   request_id, note, self.config.allow_conversion)
+                if route.mode == "ipc":
+                    # Launch first, so the claim's round trip overlaps the kernel. The kernel only
+                    # reads the producer's (mapped) cache; if the claim is refused, the read fails
+                    # and only this request's own destination blocks were written.
+                    parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
                 claim_started = time.perf_counter()
                 self._claim(request_id, remote_ids, links + notify_only)
                 claimed = time.perf_counter() - claim_started
                 break
-            except PeerLostError:
+            except KvxferError as exc:
+                _cancel_jobs(parts)
+                parts = []
+                if not isinstance(exc, PeerLostError):
+                    raise
                 for link in links + notify_only:
                     self._peers.drop(link)
                 if attempt == 2:
                     raise
-        timeout = self.config.transfer_timeout if timeout is None else timeout
         on_success = None
         if notify_only:  # replicas we depend on but do not read from: tell them we are done too
-            on_success = lambda: [self._backend.notify(link.agent_name, note) for link in notify_only]  # noqa: E731
-        parts = []
+            on_success = lambda: [self._done.send(link, request_id) for link in notify_only]  # noqa: E731
         try:
-            parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
+            if not parts:
+                parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
             for link, part in zip(route.links, parts):
                 if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
                     part.on_done = partial(self._done.send, link, request_id)
@@ -212,9 +224,7 @@ class Agent:
                                          mode=None if route.mode == "direct" else route.mode,
                                          setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
         except KvxferError:
-            for part in parts:
-                if part.job is not None:
-                    part.job.cancel()
+            _cancel_jobs(parts)
             self._abort_claims(request_id)
             raise
         handle.add_done_callback(self._on_read_done)
@@ -431,6 +441,13 @@ class _Reversed:
     def __init__(self, req) -> None:
         self.local, self.remote = req.remote, req.local
         self.num_bytes, self.staging_bytes = req.num_bytes, 0
+
+
+def _cancel_jobs(parts) -> None:
+    """Stop the parts that move their own bytes (an IPC kernel is waited for, not recalled)."""
+    for part in parts:
+        if part.job is not None:
+            part.job.cancel()
 
 
 def _rank_port(head: PeerLink, rank: int) -> int:

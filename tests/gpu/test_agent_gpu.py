@@ -118,3 +118,25 @@ def test_auto_picks_ipc_on_one_host(producers, producer_gpu):
         assert cons.read(producers[0].address, C_IDS, P_IDS, "r").wait(120).mode == "ipc"
         got = _host(cache)
     np.testing.assert_array_equal(logical(spec, got, C_IDS), logical(spec, host_cache(spec, 10), P_IDS))
+
+
+def test_ipc_read_of_a_request_not_held_is_refused_and_the_next_read_works(producers, producer_gpu):
+    # The IPC kernel starts before the claim's answer: a refused claim must fail the read at
+    # once, leave the producer's holds and every block outside the destination untouched,
+    # and leave the agent able to read the next request.
+    from kvxfer import KVSpec, LeaseExpiredError
+
+    spec = KVSpec(**COMMON)
+    producers.append(GpuProducer(spec, 10, free_port_block(), producer_gpu, {"r": P_IDS}, **SMALL))
+    cons, cache = _consumer(spec, "ipc")
+    with cons:
+        with pytest.raises(LeaseExpiredError, match="not held"):
+            cons.read(producers[0].address, C_IDS, P_IDS, "never-held")
+        assert producers[0].ask("holding") == ["r"]
+        others = [b for b in range(spec.num_blocks) if b not in set(C_IDS)]
+        np.testing.assert_array_equal(logical(spec, _host(cache), others),
+                                      logical(spec, host_cache(spec, 99), others))
+        assert cons.read(producers[0].address, C_IDS, P_IDS, "r").wait(120).mode == "ipc"
+        got = _host(cache)
+    np.testing.assert_array_equal(logical(spec, got, C_IDS), logical(spec, host_cache(spec, 10), P_IDS))
+    assert _poll(lambda: producers[0].ask("holding"), []) == []
