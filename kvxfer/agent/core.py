@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.accel import PathKit
+from kvxfer.agent.asking import Asker
 from kvxfer.agent.packing import PackServer
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
@@ -90,6 +91,7 @@ class Agent:
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
         self._done = DoneSender(self.engine_id, self.config.handshake_timeout)
+        self._asker = Asker()
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
         self._wake = threading.Event()
@@ -307,6 +309,7 @@ class Agent:
         if self._packer is not None:
             self._packer.close()
         self._done.close()
+        self._asker.close()
         self._peers.close()
         if self._kit is not None:
             self._kit.close()
@@ -349,21 +352,19 @@ class Agent:
         return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
 
     def _claim(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> None:
+        """Claim from every producer rank at once; if any refuses or is lost, undo the grants and raise."""
         claim = Claim(request_id, remote_ids.tolist(), self.engine_id)
-        granted: list[PeerLink] = []
-        for link in links:
-            try:
-                reply = link.ask(claim, self.config.handshake_timeout)
-            except PeerLostError:
-                self._abort_links(request_id, granted)
-                raise
+        replies = self._asker.ask_all(links, claim, self.config.handshake_timeout)
+        granted = [link for link, reply in zip(links, replies) if isinstance(reply, Grant)]
+        for link, reply in zip(links, replies):
+            if isinstance(reply, Grant):
+                continue
+            self._abort_links(request_id, granted)
+            if isinstance(reply, KvxferError):
+                raise reply
             if isinstance(reply, Refuse):
-                self._abort_links(request_id, granted)
                 raise LeaseExpiredError(f"producer {link.engine_id} refused {request_id!r}: {reply.reason}")
-            if not isinstance(reply, Grant):
-                self._abort_links(request_id, granted)
-                raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
-            granted.append(link)
+            raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
         self._claims[request_id] = granted
 
     def _abort_claims(self, request_id: str) -> None:

@@ -151,3 +151,23 @@ def test_read_with_nixl_progress_threads_off_on_both_sides(producers):
         for layer in range(spec.num_layers):
             np.testing.assert_array_equal(cache[layer][:, dst_ids], src[layer][:, src_ids])
         assert poll(lambda: prod.ask("holding"), [], timeout=60) == []
+
+
+def test_claims_go_to_every_rank_and_one_refusal_undoes_the_others(producers):
+    # Claims to several producer ranks are asked concurrently: when one rank does not hold the
+    # request, the read fails with its reason, the rank that granted is told to release, and
+    # nothing was written into the consumer's cache.
+    port = free_port_block()
+    ids = [3, 4, 5]
+    for rank, holds in ((0, {"r": ids}), (1, {})):
+        spec = KVSpec(**COMMON, tp_size=2, tp_rank=rank)
+        producers.append(Producer(spec, seed=20 + rank, port=port, holds=holds))
+    spec = KVSpec(**COMMON)
+    cons, cache = consumer(spec)
+    with cons:
+        with pytest.raises(LeaseExpiredError, match=r"refused 'r': request 'r' is not held"):
+            cons.read(producers[0].address, [0, 1, 2], ids, "r")
+        assert poll(lambda: producers[0].ask("holding"), []) == []
+    untouched = cache_for(spec, 99)
+    for layer in range(spec.num_layers):
+        np.testing.assert_array_equal(cache[layer], untouched[layer])
