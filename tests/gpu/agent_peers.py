@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import numpy as np
 
-
-def free_port_block(n: int = 4) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                socks.append(t)
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no block of free ports")
+from kvxfer.testing import expected_read as expect_read  # noqa: F401 - the tests import them from here
+from kvxfer.testing import free_port_block  # noqa: F401
+from kvxfer.testing import logical_kv as logical  # noqa: F401
 
 
 def host_cache(spec, seed: int) -> list[np.ndarray]:
@@ -88,25 +71,3 @@ class GpuProducer:
             self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
-
-
-def logical(spec, cache: list[np.ndarray], ids) -> np.ndarray:
-    """Oracle: ``[layers, K/V, tokens, heads_per_rank, head_dim]`` of ``ids`` (split storage)."""
-    out = []
-    for t in cache:
-        if spec.layout.value == "HND":
-            t = t.transpose(0, 1, 3, 2, 4)
-        sel = t[:, list(ids)]
-        out.append(sel.reshape(2, -1, *sel.shape[3:]))
-    return np.stack(out)
-
-
-def expect_read(consumer, c_cache0, c_ids, producers, p_ids) -> np.ndarray:
-    want = logical(consumer, c_cache0, c_ids).copy()
-    c0 = consumer.first_head
-    for spec, cache in producers:
-        src = logical(spec, cache, p_ids)
-        p0 = spec.first_head
-        lo, hi = max(p0, c0), min(p0 + spec.heads_per_rank, c0 + consumer.heads_per_rank)
-        want[:, :, :, lo - c0:hi - c0] = src[:, :, :, lo - p0:hi - p0]
-    return want

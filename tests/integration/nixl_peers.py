@@ -1,34 +1,11 @@
 """Helpers for integration tests: producer ranks in their own processes over real NIXL + ZMQ."""
 
 import multiprocessing as mp
-import socket
 
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec
-
-
-def free_port_block(n: int = 4) -> int:
-    """A base port with ``n`` consecutive free ports after it (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                socks.append(t)
-            for t in socks:
-                t.close()
-            return base
-        except OSError:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no block of free ports")
+from kvxfer.testing import free_port_block  # noqa: F401 - the tests import it from here
 
 
 def cache_for(spec: KVSpec, seed: int) -> list[np.ndarray]:

@@ -87,15 +87,21 @@ def test_staged_tp2_hnd_to_tp1_nhd_reads_both_ranks_at_once(producers):
         assert poll(lambda: p.ask("serving"), (0, 0)) == (0, 0)
 
 
-def test_consumer_abort_mid_transfer_releases_hold_and_slots(producers):
+def _stalled_read(producers, timeout: float):
+    """A staged read whose producer packs piece 0 and then stalls: returns (producer, consumer, handle)."""
     spec = KVSpec(**COMMON)
     p_ids = [1, 2, 3, 4, 5, 6]
     prod = StagedProducer(spec, seed=1, port=free_port_block(), holds={"r": p_ids}, stall_after=1)
     producers.append(prod)
     cons, _ = consumer(spec, **STAGED)
+    handle = cons.read(prod.address, [10, 11, 12, 13, 14, 15], p_ids, "r", timeout=timeout)
+    assert poll(lambda: prod.ask("serving")[0], 1) == 1      # accepted, and stuck after piece 0
+    return prod, cons, handle
+
+
+def test_consumer_abort_mid_transfer_releases_hold_and_slots(producers):
+    prod, cons, handle = _stalled_read(producers, timeout=120)
     with cons:
-        handle = cons.read(prod.address, [10, 11, 12, 13, 14, 15], p_ids, "r", timeout=120)
-        assert poll(lambda: prod.ask("serving")[0], 1) == 1      # accepted, and stuck after piece 0
         assert not handle.done()
         cons.abort("r")
         with pytest.raises(LeaseExpiredError, match="aborted by the consumer"):
@@ -107,14 +113,8 @@ def test_consumer_abort_mid_transfer_releases_hold_and_slots(producers):
 
 
 def test_producer_killed_mid_transfer_fails_the_read_within_its_deadline(producers):
-    spec = KVSpec(**COMMON)
-    p_ids = [1, 2, 3, 4, 5, 6]
-    prod = StagedProducer(spec, seed=1, port=free_port_block(), holds={"r": p_ids}, stall_after=1)
-    producers.append(prod)
-    cons, _ = consumer(spec, **STAGED)
+    prod, cons, handle = _stalled_read(producers, timeout=4)
     with cons:
-        handle = cons.read(prod.address, [10, 11, 12, 13, 14, 15], p_ids, "r", timeout=4)
-        assert poll(lambda: prod.ask("serving")[0], 1) == 1
         prod.kill()
         with pytest.raises((PeerLostError, TransferTimeoutError)) as info:
             handle.wait(60)   # generous: the transfer's own 4 s deadline must end it first

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+from kvxfer.testing import free_port_block
 
 #: The parameters vLLM's own proxy sends to the prefill instance (REFERENCE §3).
 PREFILL_PARAMS: dict[str, Any] = {
@@ -50,25 +51,7 @@ def make_tiny_model(path: Path) -> Path:
 
 def free_port(span: int = 1) -> int:
     """A TCP port p such that p .. p+span-1 are free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + span):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no run of {span} free ports found")
+    return free_port_block(span)
 
 
 def shim_pythonpath() -> str | None:
