@@ -32,14 +32,6 @@ def poll(fn, want, timeout=10.0):
     return got
 
 
-@pytest.fixture
-def producers():
-    started = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def test_read_same_layout_fragmented_ids_is_byte_exact_and_releases(producers):
     spec = KVSpec(**COMMON)
     port = free_port_block()

@@ -19,14 +19,6 @@ from test_agent_nixl import COMMON, consumer, poll
 STAGED = dict(transfer_path="staged", pipeline_slot_bytes=16 << 10, pipeline_slots=4)
 
 
-@pytest.fixture
-def producers():
-    started = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def _check(cspec, cache, cache0, c_ids, sources, p_ids):
     """Read blocks equal the oracle; every other block kept its bytes."""
     np.testing.assert_array_equal(logical(cspec, cache, c_ids), expect_read(cspec, cache0, c_ids, sources, p_ids))
