@@ -90,7 +90,7 @@ class Agent:
                                     getattr(backend, "connect", None))
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
-        self._done = DoneSender(self.engine_id, self.config.handshake_timeout)
+        self._done = DoneSender(self.engine_id, self.config.handshake_timeout, notify=self._notify_done)
         self._asker = Asker()
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
@@ -376,6 +376,11 @@ class Agent:
                 link.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)
             except KvxferError as exc:
                 log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+
+    def _notify_done(self, link: PeerLink, request_id: str) -> None:
+        """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""
+        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+        self._backend.notify(link.agent_name, note)
 
     def _on_read_done(self, handle: TransferHandle) -> None:
         self._claims.pop(handle.request_id, None)

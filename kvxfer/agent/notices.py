@@ -7,6 +7,11 @@ host UCX's TCP wire-up of that connection was seen to fail). ``DoneSender`` inst
 ``Done`` message on the producer rank's side channel, from its own thread so the progress loop
 never waits on a round trip. A notice that cannot be delivered is logged; the producer then
 frees the blocks when its lease expires (the bytes have already arrived).
+
+A producer of the previous release does not know ``Done`` (it answers ``Reject('malformed')``)
+and announces no ``host_id``, which every current agent does. Such a peer is told the way it
+expects, by the request-done NIXL notification (``notify``); only direct reads reach it (the
+GPU paths need fields it does not send), so this is the notify-only replicas' notice.
 """
 
 from __future__ import annotations
@@ -14,20 +19,32 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Callable
 
 from kvxfer.errors import KvxferError
 from kvxfer.protocol import Done, Refuse
 
-__all__ = ["DoneSender"]
+__all__ = ["DoneSender", "knows_done"]
 
 log = logging.getLogger("kvxfer.agent")
 
 
-class DoneSender:
-    """Delivers ``Done`` notices in order on one background thread. ``close`` drains and stops."""
+def knows_done(info) -> bool:
+    """Whether the peer of this ``PeerInfo`` knows ``Done``: current agents always announce a
+    non-empty ``host_id`` (boot id + "/" + hostname); the previous release sends none."""
+    return bool(info.host_id)
 
-    def __init__(self, engine_id: str, timeout: float) -> None:
-        self._engine_id, self._timeout = engine_id, timeout
+
+class DoneSender:
+    """Delivers ``Done`` notices in order on one background thread. ``close`` drains and stops.
+
+    ``notify(link, request_id)`` sends the request-done NIXL notification instead, to a peer that
+    does not know ``Done`` (``knows_done``); without it such a peer is sent ``Done`` anyway.
+    """
+
+    def __init__(self, engine_id: str, timeout: float,
+                 notify: Callable[[object, str], None] | None = None) -> None:
+        self._engine_id, self._timeout, self._notify = engine_id, timeout, notify
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvxfer-done", daemon=True)
         self._thread.start()
@@ -43,6 +60,9 @@ class DoneSender:
                 return
             link, request_id = item
             try:
+                if self._notify is not None and not knows_done(link.info):
+                    self._notify(link, request_id)  # an older producer: the notification it expects
+                    continue
                 reply = link.ask(Done(request_id, self._engine_id), self._timeout)
                 if isinstance(reply, Refuse):
                     log.info("producer %s refused the done notice of %r: %s", link.engine_id, request_id,

@@ -1,8 +1,9 @@
 """The consumer half of ``Agent.read``: choose a path, then build the request's parts (layer: agent).
 
 ``plan_read`` runs before the claim (it validates the ids through the layout plan and picks
-the path with ``choose_path``); ``ReadRoute.start`` runs after the producers granted the
-claim and returns the engine ``Part`` of each producer rank:
+the path with ``choose_path``); ``ReadRoute.start`` returns the engine ``Part`` of each
+producer rank. It runs after the producers granted the claim, except for ``ipc``, whose kernel
+is launched first so the claim's round trip overlaps it (``Agent.read`` explains why that is safe):
 
 * ``direct``: the layout plan's descriptors (the backend notifies the producer on completion);
 * ``ipc``: one ``direct_pairs`` kernel per producer rank on the agent's CUDA stream, reading
@@ -11,8 +12,9 @@ claim and returns the engine ``Part`` of each producer rank:
   announces pieces), and a worker running ``fetch_read`` into its own window of our staging
   slots.
 
-For ``ipc`` and ``staged`` the engine sends the producer the request-done notification once
-the part finished, exactly what a NIXL read carries, so the producer's lease ends the same way.
+For ``ipc`` and ``staged`` no NIXL transfer carries the request-done notification to the
+producer, so once the part finished the agent sends it a ``Done`` message on the side channel
+(``kvxfer.agent.notices``); the producer's lease ends as it does after a direct read.
 """
 
 from __future__ import annotations

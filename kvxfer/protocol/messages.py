@@ -238,7 +238,9 @@ class PackReady(_Msg, frozen=True):
 
 class Done(_Msg, frozen=True):
     """Consumer -> producer: this consumer finished reading the request (the paths that move
-    bytes without a NIXL transfer to carry the completion notification: CUDA IPC, staged)."""
+    bytes without a NIXL transfer to carry the completion notification: CUDA IPC, staged; and
+    replicas the consumer depends on but did not read). Not sent to a peer that announces no
+    ``PeerInfo.host_id`` (an older release, which does not know it): it gets the NIXL notification."""
 
     request_id: Id
     engine_id: Id
