@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the method list this many times in turn (A B A B ...); ratios then pair "
+                        "each round's medians, which holds up when a shared machine's speed drifts")
     p.add_argument("--methods", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                    help=f"default gpu: {','.join(GPU_METHODS)}; cpu: {','.join(CPU_METHODS)}")
     p.add_argument("--gpu-path", "--transfer-path", dest="transfer_path", default="auto",
@@ -77,7 +80,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         geometry["mla"] = True
     return BenchConfig(preset=args.preset, geometry=geometry, scenario=args.scenario, ids=args.ids,
                        device=args.device, op=args.op, tokens=args.tokens, block_size=args.block_size,
-                       iters=args.iters, warmup=args.warmup, methods=args.methods,
+                       iters=args.iters, warmup=args.warmup, rounds=args.rounds, methods=args.methods,
                        producer_gpu=args.producer_gpu, consumer_gpu=args.consumer_gpu,
                        slot_bytes=args.slot_mib << 20, slots=args.slots, piece_bytes=args.piece_mib,
                        seed=args.seed, cache_factor=args.cache_factor, progress=not args.quiet,

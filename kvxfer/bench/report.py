@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 __all__ = ["add_ratios", "table", "write_json", "plot"]
@@ -12,17 +13,34 @@ BASELINES = ("peer-copy", "nixl-1desc", "nixl-per-block")
 
 
 def add_ratios(report: dict) -> dict:
-    """Add ``vs_<baseline>`` (this row's GB/s over the baseline's) to every timed row."""
-    by_tokens: dict[int, dict[str, float]] = {}
+    """Add ``vs_<baseline>`` (this row's GB/s over the baseline's) to every timed row.
+
+    When both rows ran the same number (> 1) of interleaved rounds, the ratio is the median of
+    the per-round ratios (``vs_<baseline>_rounds`` lists them): each pair was measured minutes
+    apart at most, so the machine's drift cancels. Otherwise it is the ratio of the two medians.
+    """
+    by_tokens: dict[int, dict[str, dict]] = {}
     for row in report["rows"]:
         if "gbps" in row:
-            by_tokens.setdefault(row["tokens"], {})[row["method"]] = row["gbps"]
+            by_tokens.setdefault(row["tokens"], {})[row["method"]] = row
     for row in report["rows"]:
         base = by_tokens.get(row["tokens"], {})
         for name in BASELINES:
             if "gbps" in row and name in base and row["method"] != name:
-                row[f"vs_{name}"] = row["gbps"] / base[name]
+                paired = _paired(base[name].get("round_medians_s"), row.get("round_medians_s"))
+                if paired:
+                    row[f"vs_{name}_rounds"] = paired
+                    row[f"vs_{name}"] = statistics.median(paired)
+                else:
+                    row[f"vs_{name}"] = row["gbps"] / base[name]["gbps"]
     return report
+
+
+def _paired(base_s: list[float] | None, row_s: list[float] | None) -> list[float]:
+    """Per-round speed ratios (baseline time / row time), or ``[]`` unless both have >1 round."""
+    if not base_s or not row_s or len(base_s) != len(row_s) or len(row_s) < 2:
+        return []
+    return [b / r for b, r in zip(base_s, row_s)]
 
 
 def table(report: dict) -> str:
@@ -37,11 +55,20 @@ def table(report: dict) -> str:
             continue
         cells = [str(r["tokens"]), r["method"], f"{r['bytes'] / 2**20:.0f}", f"{r['median_s'] * 1e3:.3f}",
                  f"{r['gbps']:.1f}", f"{r['verified']}/{r['verified'] + r['failed']}"]
-        cells += [f"{r[f'vs_{b}']:.2f}" if f"vs_{b}" in r else "" for b in present]
+        cells += [_ratio_cell(r, b) for b in present]
         lines.append(cells)
     widths = [max(len(x) for x in col) for col in zip(head, *[ln + [""] * (len(head) - len(ln)) for ln in lines])]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(ln) for ln in lines])
+
+
+def _ratio_cell(row: dict, baseline: str) -> str:
+    """``0.97``, or ``0.97 (0.85-1.10)`` with the spread of paired rounds."""
+    if f"vs_{baseline}" not in row:
+        return ""
+    cell = f"{row[f'vs_{baseline}']:.2f}"
+    rounds = row.get(f"vs_{baseline}_rounds")
+    return cell + (f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else "")
 
 
 def write_json(report: dict, path: str) -> None:

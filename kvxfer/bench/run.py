@@ -3,6 +3,9 @@
 ``run_bench(BenchConfig)`` returns a JSON-ready dict: the configuration, the machine, and one
 row per (tokens, method) with every timed iteration, its median, GB/s and the verification
 counts. All rows of one run share processes, caches and block ids, so ratios are like for like.
+With ``rounds > 1`` the whole method list runs that many times in turn (A B C A B C ...) and each
+row keeps its per-round medians, so ``report.add_ratios`` can pair rounds: on a shared host
+whose speed drifts, a ratio of two medians taken minutes apart says more about the drift.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class BenchConfig:
     block_size: int = 16
     iters: int = 10
     warmup: int = 2
+    rounds: int = 1   # the method list runs this many times, interleaved (see ``_run_tokens``)
     methods: tuple[str, ...] = ()
     producer_gpu: int = 1
     consumer_gpu: int = 0
@@ -120,6 +124,8 @@ def _summary(result: dict, nbytes: int) -> dict:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run every method of ``cfg`` on the same caches and requests; returns the report dict."""
+    if cfg.rounds < 1 or cfg.iters < 1:
+        raise ConfigError(f"rounds and iters must be >= 1; got rounds={cfg.rounds}, iters={cfg.iters}")
     gpu = cfg.device == "gpu"
     # "kvxfer-staged" follows --op; the raw NIXL baselines always READ (NIXL moves both ways alike).
     methods = tuple(f"kvxfer-staged-{cfg.op}" if m == "kvxfer-staged" else m
@@ -177,38 +183,72 @@ def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, 
     if scen.producers[0].layout is not scen.consumer.layout:
         twin = scen.producers[0].layout.value
         consumer.call("expect", requests=requests, tokens=tokens, twin_layout=twin)
-    for method in methods:
-        for piece in (cfg.piece_bytes if method.startswith("kvxfer-staged") else (0,)):
-            label = method + (f"@{piece >> 20}MiB" if piece else "")
-            _say(cfg, f"tokens={tokens}: {label} x{cfg.iters} (+{cfg.warmup} warm-up)")
-            options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
-                       "run": f"{tokens}-{label}", "transfer_path": cfg.transfer_path,
-                       "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots}
-            t0 = time.monotonic()
+    rows: dict[str, dict] = {}
+    for rnd in range(cfg.rounds):
+        for method in methods:
+            for piece in (cfg.piece_bytes if method.startswith("kvxfer-staged") else (0,)):
+                label = method + (f"@{piece >> 20}MiB" if piece else "")
+                when = f" round {rnd + 1}/{cfg.rounds}" if cfg.rounds > 1 else ""
+                _say(cfg, f"tokens={tokens}: {label} x{cfg.iters} (+{cfg.warmup} warm-up){when}")
+                options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
+                           "run": f"{tokens}-{label}-{rnd}", "transfer_path": cfg.transfer_path,
+                           "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots}
+                t0 = time.monotonic()
+                res = _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p, nbytes)
+                res["wall_s"] = time.monotonic() - t0
+                row = rows.setdefault(label, {"tokens": tokens, "method": label, "bytes": nbytes})
+                _merge_round(row, res)
+                _say(cfg, "   " + _short({**row, **_summary(res, nbytes)}))
+    for row in rows.values():
+        report["rows"].append({**row, **_summary(row, nbytes)})
+
+
+def _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p, nbytes) -> dict:
+    """One method, ``cfg.iters`` timed iterations; errors come back as ``{"error": ...}``."""
+    try:
+        if method == "peer-copy":
+            return consumer.call("peer_copy", src_device=dev_p, nbytes=nbytes, iters=cfg.iters,
+                                 warmup=cfg.warmup)
+        for p, req in zip(producers, requests):
+            p.send("serve", method=method, consumer="bench-c", request=req, tokens=tokens,
+                   rounds=cfg.iters + cfg.warmup, options=options)
+        try:
+            res = consumer.call("measure", method=method, requests=requests, tokens=tokens,
+                                iters=cfg.iters, warmup=cfg.warmup, options=options)
+        except Exception as exc:  # the consumer's error first; then reap the producers
+            res = {"error": str(exc)[-3000:]}
+        for p in producers:  # every producer replies once per serve, error or not
             try:
-                if method == "peer-copy":
-                    res = consumer.call("peer_copy", src_device=dev_p, nbytes=nbytes, iters=cfg.iters,
-                                        warmup=cfg.warmup)
-                else:
-                    for p, req in zip(producers, requests):
-                        p.send("serve", method=method, consumer="bench-c", request=req, tokens=tokens,
-                               rounds=cfg.iters + cfg.warmup, options=options)
-                    try:
-                        res = consumer.call("measure", method=method, requests=requests, tokens=tokens,
-                                            iters=cfg.iters, warmup=cfg.warmup, options=options)
-                    except Exception as exc:  # the consumer's error first; then reap the producers
-                        res = {"error": str(exc)[-3000:]}
-                    for p in producers:  # every producer replies once per serve, error or not
-                        try:
-                            p.recv(timeout=300)
-                        except Exception as exc:
-                            res.setdefault("producer_errors", []).append(str(exc)[-1500:])
-            except Exception as exc:  # one failing method must not hide the others' figures
-                res = {"error": str(exc)[-2000:]}
-            row = {"tokens": tokens, "method": label, "bytes": nbytes, "wall_s": time.monotonic() - t0,
-                   **_summary(res, nbytes)}
-            report["rows"].append(row)
-            _say(cfg, "   " + _short(row))
+                p.recv(timeout=300)
+            except Exception as exc:
+                res.setdefault("producer_errors", []).append(str(exc)[-1500:])
+        return res
+    except Exception as exc:  # one failing method must not hide the others' figures
+        return {"error": str(exc)[-2000:]}
+
+
+def _merge_round(row: dict, res: dict) -> None:
+    """Fold one round's result into the method's row: times appended, counts added, the round's
+    median kept (``round_medians_s``); the first error is kept and ends the row's figures."""
+    if "error" in row:
+        return
+    if "error" in res or not res.get("times"):
+        for key in ("times", "round_medians_s"):
+            row.pop(key, None)
+        row.update({k: v for k, v in res.items() if k != "times"})
+        return
+    row.setdefault("times", []).extend(res["times"])
+    row.setdefault("round_medians_s", []).append(statistics.median(res["times"]))
+    for key, value in res.items():
+        if key in ("verified", "failed", "wall_s"):
+            row[key] = row.get(key, 0) + value
+        elif key == "modes":
+            row[key] = sorted(set(row.get(key, [])) | set(value))
+        elif isinstance(value, float):  # per-round details (setup_ms, claim_ms, ...): their median
+            row.setdefault("per_round", {}).setdefault(key, []).append(value)
+            row[key] = statistics.median(row["per_round"][key])
+        elif key != "times":
+            row[key] = value
 
 
 def _short(row: dict) -> str:

@@ -61,3 +61,43 @@ def test_cli_parses_a_full_command():
     cfg = config_from(args)
     assert cfg.model() == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64}
     assert cfg.tokens == (16, 32) and cfg.piece_bytes == (0, 64 << 20)
+
+
+def test_rounds_merge_and_pair_their_ratios():
+    """Interleaved rounds: times add up, each round keeps its median, and the ratio is the median
+    of per-round ratios, so a machine that slows down between rounds does not skew it."""
+    from kvxfer.bench.run import _merge_round, _summary
+
+    base, row = {"tokens": 8, "method": "nixl-per-block", "bytes": 1000}, {"tokens": 8, "method": "kvxfer-agent", "bytes": 1000}
+    # (baseline ms, kvxfer ms) per round; the machine was 4x slower during kvxfer's 2nd round and
+    # the baseline's 3rd: medians taken apart give 2 ms / 4 ms = 0.5, the paired rounds 2, 0.5, 2
+    for (b, r), extra in zip([(2, 1), (2, 4), (8, 4)], [{"modes": ["direct"]}, {"modes": ["staged"]}, {}]):
+        _merge_round(base, {"times": [b / 1e3, b / 1e3], "verified": 2, "failed": 0, "descriptors": 64})
+        _merge_round(row, {"times": [r / 1e3, r / 1e3], "verified": 2, "failed": 0, "setup_ms": float(r), **extra})
+    assert row["times"] == [0.001, 0.001, 0.004, 0.004, 0.004, 0.004]
+    assert row["round_medians_s"] == [0.001, 0.004, 0.004]
+    assert (row["verified"], row["failed"]) == (6, 0) and row["modes"] == ["direct", "staged"]
+    assert row["setup_ms"] == 4.0 and row["per_round"]["setup_ms"] == [1.0, 4.0, 4.0]
+    report = {"rows": [{**base, **_summary(base, 1000)}, {**row, **_summary(row, 1000)}]}
+    add_ratios(report)
+    got = report["rows"][1]
+    assert got["vs_nixl-per-block_rounds"] == pytest.approx([2.0, 0.5, 2.0])
+    assert got["vs_nixl-per-block"] == pytest.approx(2.0)
+    assert "2.00 (0.50-2.00)" in table(report)
+
+
+def test_a_failed_round_keeps_the_error_and_drops_the_figures():
+    from kvxfer.bench.run import _merge_round
+
+    row = {"tokens": 8, "method": "kvxfer-agent", "bytes": 1000}
+    _merge_round(row, {"times": [0.001], "verified": 1, "failed": 0})
+    _merge_round(row, {"error": "TransferTimeoutError: late"})
+    _merge_round(row, {"times": [0.001], "verified": 1, "failed": 0})
+    assert row["error"] == "TransferTimeoutError: late" and "times" not in row and "round_medians_s" not in row
+
+
+def test_rounds_and_iters_must_be_positive():
+    from kvxfer.bench.run import BenchConfig, run_bench
+
+    with pytest.raises(ConfigError, match="rounds=0"):
+        run_bench(BenchConfig(device="cpu", rounds=0))

@@ -1,0 +1,31 @@
+"""`kvxfer bench --device cpu` end to end: real processes, real NIXL, every timed transfer verified.
+
+The figures themselves are not asserted (speed lives in docs/benchmarks.md); what is asserted is
+that every method ran, moved the right bytes each time, and that interleaved rounds pair up.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.bench.report import add_ratios, table
+from kvxfer.bench.run import CPU_METHODS, BenchConfig, run_bench
+
+TINY = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("scenario", ["same", "hnd-nhd"])
+def test_cpu_bench_verifies_every_transfer_over_interleaved_rounds(scenario):
+    cfg = BenchConfig(preset="custom", geometry=TINY, scenario=scenario, ids="fragmented", device="cpu",
+                      tokens=(64,), iters=2, warmup=1, rounds=2, progress=False)
+    report = add_ratios(run_bench(cfg))
+    rows = {r["method"]: r for r in report["rows"]}
+    assert sorted(rows) == sorted(CPU_METHODS)
+    for method, row in rows.items():
+        assert "error" not in row, (method, row.get("error"))
+        assert (row["verified"], row["failed"]) == (4, 0), method  # 2 rounds x 2 iterations
+        assert len(row["round_medians_s"]) == 2, method
+    agent = rows["kvxfer-agent"]
+    assert len(agent["vs_nixl-per-block_rounds"]) == 2
+    assert agent["modes"] == (["direct"] if scenario == "same" else ["staged"])
+    assert "kvxfer-agent" in table(report)
