@@ -1,7 +1,8 @@
 """Remote agents this agent has handshaken with (layer: agent, the composition root).
 
 A ``PeerLink`` is one remote TP rank reached over the side channel: its identity, spec,
-geometry, backend name and the plan from our cache to its cache (built once). A
+geometry, backend name, the plan from our cache to its cache (built once) and how long each
+phase of its handshake took. A
 ``PeerDirectory`` caches links by (host, port) and re-handshakes when a peer restarted
 (same address, new engine id) so stale metadata is never used.
 """
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvxfer.errors import KvxferError
 from kvxfer.layout import CacheView, build_plan
-from kvxfer.protocol import ClientSession, Codec, PeerInfo, check_peer_info
+from kvxfer.protocol import ClientSession, Codec, PeerInfo
 from kvxfer.transport.zmq import SideChannelClient
 
 __all__ = ["PeerLink", "PeerDirectory"]
@@ -38,6 +40,7 @@ class PeerLink:
     lock: threading.Lock = field(default_factory=threading.Lock)
     paths: dict = field(default_factory=dict)      # per-peer state of the GPU paths (IPC mapping)
     on_close: list = field(default_factory=list)   # called once on close (e.g. unmap the peer's cache)
+    timings: dict = field(default_factory=dict)    # handshake phase -> seconds: hello, metadata, connect
 
     @property
     def engine_id(self) -> str:
@@ -127,21 +130,29 @@ class PeerDirectory:
                 log.debug("removing peer %s: %s", link.agent_name, exc)
 
     def _handshake(self, host: str, port: int) -> PeerLink:
+        started = time.perf_counter()
         client = SideChannelClient(host, port)
         try:
             session = ClientSession(self._codec, self._local_info())
             reply = client.request(session.start(), self._timeout)
-            info = session.receive_welcome(reply)
-            spec, geometry = check_peer_info(info)
+            info = session.receive_welcome(reply)  # validates the peer's spec and geometry
+            welcomed = time.perf_counter()
             agent_name = self._add_peer(info.backend_metadata)
+            loaded = time.perf_counter()
             if self._connect is not None:
                 self._connect(agent_name)  # open the transport now, not on the first transfer
         except BaseException:
             client.close()
             raise
-        log.info("handshake with %s:%d: engine %s, tp %d/%d, %s %s", host, port, info.engine_id,
-                 spec.tp_rank, spec.tp_size, spec.layout.value, spec.storage.value)
-        return PeerLink(host, port, info, CacheView(spec, geometry), agent_name, client, session)
+        timings = {"hello": welcomed - started, "metadata": loaded - welcomed,
+                   "connect": time.perf_counter() - loaded}
+        spec = session.peer_spec
+        log.info("handshake with %s:%d: engine %s, tp %d/%d, %s %s (hello %.1f ms, metadata load %.1f ms, "
+                 "connect %.1f ms)", host, port, info.engine_id, spec.tp_rank, spec.tp_size,
+                 spec.layout.value, spec.storage.value, timings["hello"] * 1e3, timings["metadata"] * 1e3,
+                 timings["connect"] * 1e3)
+        return PeerLink(host, port, info, CacheView(spec, session.peer_geometry), agent_name, client, session,
+                        timings=timings)
 
     def links(self) -> list[PeerLink]:
         with self._lock:
