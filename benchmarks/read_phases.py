@@ -1,0 +1,103 @@
+"""Where the time of one ``Agent.read`` goes on the consumer: the call itself (ids, path choice,
+tables or kernel launch, claim round trip) and the wait for completion, with a cProfile of the
+calls. Two processes (producer spawned), Llama-3-8B-shaped cache, fragmented block ids.
+
+Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 8192] [--reads 40]
+"""
+
+import argparse
+import cProfile
+import io
+import multiprocessing as mp
+import pstats
+import statistics
+import time
+
+import numpy as np
+
+from kvxfer import Agent, AgentConfig, KVSpec
+
+SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")
+
+
+def _cache(spec: KVSpec, device: str, seed: int):
+    shapes = spec.tensor_shapes()
+    if device == "cpu":
+        rng = np.random.default_rng(seed)
+        return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in shapes]
+    import torch
+
+    torch.cuda.set_device(torch.device(device))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randint(-(1 << 15), 1 << 15, s, dtype=torch.int16, device=device, generator=gen)
+            for s in shapes]
+
+
+def producer(spec, device, port, rids, ids, ready, stop) -> None:
+    cache = _cache(spec, device, 1)
+    with Agent("producer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=port)) as ag:
+        ag.register(cache)
+        ag.listen()
+        for rid in rids:
+            ag.hold(rid, ids)
+        ready.set()
+        stop.wait(600)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reads", type=int, default=40)
+    ap.add_argument("--port", type=int, default=5950)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    blocks = args.tokens // SHAPE["block_size"]
+    spec = KVSpec(**SHAPE, num_blocks=4 * blocks)
+    rng = np.random.default_rng(0)
+    src, dst = rng.permutation(4 * blocks)[:blocks], rng.permutation(4 * blocks)[:blocks]
+    warm = 3
+    rids = [f"r{i}" for i in range(args.reads + warm)]
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=producer, args=(spec, args.device, args.port, rids, src, ready, stop), daemon=True)
+    proc.start()
+    if not ready.wait(300):
+        raise SystemExit("producer did not start")
+    cache = _cache(spec, args.device, 2)
+    calls, waits, claims, modes = [], [], [], set()
+    prof = cProfile.Profile()
+    cfg = AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=args.port + 1)
+    with Agent("consumer", spec, cfg) as ag:
+        ag.register(cache)
+        for i, rid in enumerate(rids):
+            t0 = time.perf_counter()
+            if i >= warm:
+                prof.enable()
+            handle = ag.read(("127.0.0.1", args.port), dst, src, rid)
+            if i >= warm:
+                prof.disable()
+            t1 = time.perf_counter()
+            stats = handle.wait(60)
+            t2 = time.perf_counter()
+            if i >= warm:
+                calls.append(t1 - t0)
+                waits.append(t2 - t1)
+                claims.append(stats.claim_seconds)
+                modes.add(stats.mode)
+    stop.set()
+    proc.join(30)
+    med = statistics.median
+    mib = spec.block_bytes * 2 * spec.num_layers * blocks / 2**20
+    print(f"{args.device}, {args.tokens} tokens ({mib:.0f} MiB), path {sorted(modes)}, {len(calls)} reads:")
+    print(f"  Agent.read call  median {med(calls) * 1e3:.3f} ms (claim round trip {med(claims) * 1e3:.3f} ms)")
+    print(f"  wait after call  median {med(waits) * 1e3:.3f} ms")
+    print(f"  read + wait      median {med(c + w for c, w in zip(calls, waits)) * 1e3:.3f} ms")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
+    print("cProfile of the Agent.read calls (cumulative; profiling inflates the absolute times):")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+
+
+if __name__ == "__main__":
+    main()
