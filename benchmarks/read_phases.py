@@ -2,7 +2,7 @@
 tables or kernel launch, claim round trip) and the wait for completion, with a cProfile of the
 calls. Two processes (producer spawned), Llama-3-8B-shaped cache, fragmented block ids.
 
-Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 8192] [--reads 40]
+Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 8192] [--reads 40] [--profile]
 """
 
 import argparse
@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+import kvxfer.agent.core as core
+import kvxfer.agent.reading as reading
 from kvxfer import Agent, AgentConfig, KVSpec
 
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")
@@ -44,6 +46,20 @@ def producer(spec, device, port, rids, ids, ready, stop) -> None:
         stop.wait(600)
 
 
+SPANS: dict[str, list[float]] = {}
+
+
+def _timed(name: str, fn):
+    """``fn`` with each call's duration appended to ``SPANS[name]`` (no profiler: true times)."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPANS.setdefault(name, []).append(time.perf_counter() - t0)
+    return wrapper
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -51,6 +67,7 @@ def main() -> None:
     ap.add_argument("--reads", type=int, default=40)
     ap.add_argument("--port", type=int, default=5950)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--profile", action="store_true", help="also cProfile the calls (a second run: it inflates times)")
     args = ap.parse_args()
     blocks = args.tokens // SHAPE["block_size"]
     spec = KVSpec(**SHAPE, num_blocks=4 * blocks)
@@ -65,6 +82,9 @@ def main() -> None:
     if not ready.wait(300):
         raise SystemExit("producer did not start")
     cache = _cache(spec, args.device, 2)
+    core.plan_read = _timed("plan_read (ids, path choice, tables)", core.plan_read)
+    reading.ReadRoute.start = _timed("ReadRoute.start (kernel launch / parts)", reading.ReadRoute.start)
+    core.Agent._claim = _timed("claim round trip", core.Agent._claim)
     calls, waits, claims, modes = [], [], [], set()
     prof = cProfile.Profile()
     cfg = AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=args.port + 1)
@@ -72,10 +92,12 @@ def main() -> None:
         ag.register(cache)
         for i, rid in enumerate(rids):
             t0 = time.perf_counter()
-            if i >= warm:
+            if i == warm:
+                SPANS.clear()
+            if i >= warm and args.profile:
                 prof.enable()
             handle = ag.read(("127.0.0.1", args.port), dst, src, rid)
-            if i >= warm:
+            if i >= warm and args.profile:
                 prof.disable()
             t1 = time.perf_counter()
             stats = handle.wait(60)
@@ -90,13 +112,16 @@ def main() -> None:
     med = statistics.median
     mib = spec.block_bytes * 2 * spec.num_layers * blocks / 2**20
     print(f"{args.device}, {args.tokens} tokens ({mib:.0f} MiB), path {sorted(modes)}, {len(calls)} reads:")
-    print(f"  Agent.read call  median {med(calls) * 1e3:.3f} ms (claim round trip {med(claims) * 1e3:.3f} ms)")
+    print(f"  Agent.read call  median {med(calls) * 1e3:.3f} ms, of which:")
+    for name, spans in SPANS.items():
+        print(f"    {name:42s} median {med(spans) * 1e3:.3f} ms")
     print(f"  wait after call  median {med(waits) * 1e3:.3f} ms")
     print(f"  read + wait      median {med(c + w for c, w in zip(calls, waits)) * 1e3:.3f} ms")
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
-    print("cProfile of the Agent.read calls (cumulative; profiling inflates the absolute times):")
-    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+    if args.profile:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+        print("cProfile of the Agent.read calls (own time; profiling inflates the absolute times):")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
 
 
 if __name__ == "__main__":
