@@ -11,8 +11,8 @@ frees the blocks when its lease expires (the bytes have already arrived).
 Notices travel on a side-channel session of their own to each producer rank (a second ZMQ
 connection and ``Hello``, opened on the first notice; no NIXL work on either side). On the
 link's own session a ``Done`` would hold the link's lock for a round trip just when the next
-request's claim wants it: measured on the one-H200 host, back-to-back reads waited ~0.2 ms
-for the previous read's notice before they could claim.
+request's claim wants it: on the one-H200 host, a claim inside back-to-back reads took 0.70 ms
+against 0.51 ms for claims alone.
 
 A producer of the previous release does not know ``Done`` (it answers ``Reject('malformed')``)
 and announces no ``host_id``, which every current agent does. Such a peer is told the way it

@@ -1,6 +1,7 @@
 """Helpers for agent tests: agents over the in-process FakeBackend (real bytes, real ZMQ on loopback)."""
 
 import itertools
+import time
 
 import numpy as np
 
@@ -16,6 +17,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float = 5.0) -> bool:
+    """Poll ``pred`` every 5 ms until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return bool(pred())
 
 
 def spec(**kw) -> KVSpec:

@@ -9,16 +9,7 @@ from kvxfer import (AuthenticationError, BlockIdError, ClosedError, Incompatible
                     LeaseExpiredError, PeerLostError, TransferTimeoutError)
 from kvxfer.clock import ManualClock
 
-from agent_helpers import free_port, spec
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
+from agent_helpers import free_port, spec, wait_for
 
 
 def blocks_of(cache, s, layer, kv, ids):

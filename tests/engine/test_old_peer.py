@@ -8,7 +8,6 @@ into that model before any consumer connects; the codec-level model is checked i
 tests/protocol/test_protocol_old_peer.py.
 """
 
-import time
 import types
 from typing import Union, get_args
 
@@ -21,7 +20,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.protocol import Done, Message, PackReady, PackRequest
 from kvxfer.protocol.messages import IpcWire
 
-from agent_helpers import free_port, spec
+from agent_helpers import free_port, spec, wait_for
 
 #: The messages the previous release did not have.
 NEWER = (Done, PackRequest, PackReady)
@@ -34,15 +33,6 @@ def make_old(agent) -> None:
     current = agent._peer_info
     agent._peer_info = lambda: msgspec.structs.replace(current(), **GPU_DEFAULTS)
     agent._codec._decoder = msgspec.msgpack.Decoder(OLD_MESSAGE)
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def snapshot(cache):
