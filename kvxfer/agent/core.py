@@ -18,7 +18,6 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.accel import PathKit
-from kvxfer.agent.asking import Asker
 from kvxfer.agent.packing import PackServer
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
@@ -91,7 +90,6 @@ class Agent:
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
         self._done = DoneSender(self.engine_id, self.config.handshake_timeout, notify=self._notify_done)
-        self._asker = Asker()
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
         self._wake = threading.Event()
@@ -194,13 +192,18 @@ class Agent:
             try:
                 route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
                                   request_id, note, self.config.allow_conversion)
-                if route.mode == "ipc":
-                    # Launch first, so the claim's round trip overlaps the kernel. The kernel only
-                    # reads the producer's (mapped) cache; if the claim is refused, the read fails
-                    # and only this request's own destination blocks were written.
-                    parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
                 claim_started = time.perf_counter()
-                self._claim(request_id, remote_ids, links + notify_only)
+                sent = self._claim_send(request_id, remote_ids, links + notify_only)
+                try:
+                    if route.mode == "ipc":
+                        # Launch while the claim travels, so its round trip overlaps the kernel. The
+                        # kernel only reads the producer's (mapped) cache; if the claim is refused,
+                        # the read fails and only this request's own destination blocks were written.
+                        parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
+                except BaseException:
+                    self._claim_undo(request_id, sent)
+                    raise
+                self._claim_answers(request_id, sent)
                 claimed = time.perf_counter() - claim_started
                 break
             except KvxferError as exc:
@@ -309,7 +312,6 @@ class Agent:
         if self._packer is not None:
             self._packer.close()
         self._done.close()
-        self._asker.close()
         self._peers.close()
         if self._kit is not None:
             self._kit.close()
@@ -353,8 +355,27 @@ class Agent:
 
     def _claim(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> None:
         """Claim from every producer rank at once; if any refuses or is lost, undo the grants and raise."""
+        self._claim_answers(request_id, self._claim_send(request_id, remote_ids, links))
+
+    def _claim_send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> list:
+        """Send the claim to every rank now (the round trips run together, and overlap whatever
+        the caller does next); returns ``(link, PendingAnswer or the error its send raised)``."""
         claim = Claim(request_id, remote_ids.tolist(), self.engine_id)
-        replies = self._asker.ask_all(links, claim, self.config.handshake_timeout)
+        sent: list = []
+        # Each pending answer holds its link: take links in one global order, so two reads
+        # claiming from the same ranks at once never wait on each other crosswise.
+        for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
+            try:
+                sent.append((link, link.send(claim, self.config.handshake_timeout)))
+            except KvxferError as exc:
+                sent.append((link, exc))
+        return sent
+
+    def _claim_answers(self, request_id: str, sent: list) -> None:
+        """Collect the answers of ``_claim_send``; if any rank refused or was lost, undo the
+        other grants and raise."""
+        links = [link for link, _ in sent]
+        replies = [_answer(pending) for _, pending in sent]
         granted = [link for link, reply in zip(links, replies) if isinstance(reply, Grant)]
         for link, reply in zip(links, replies):
             if isinstance(reply, Grant):
@@ -366,6 +387,14 @@ class Agent:
                 raise LeaseExpiredError(f"producer {link.engine_id} refused {request_id!r}: {reply.reason}")
             raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
         self._claims[request_id] = granted
+
+    def _claim_undo(self, request_id: str, sent: list) -> None:
+        """Collect the answers of a claim this read no longer wants, and give back every grant."""
+        try:
+            self._claim_answers(request_id, sent)
+        except KvxferError:
+            return  # the other grants were given back already
+        self._abort_claims(request_id)
 
     def _abort_claims(self, request_id: str) -> None:
         self._abort_links(request_id, self._claims.pop(request_id, []))
@@ -439,6 +468,16 @@ class Agent:
             else:
                 self._wake.wait(0.001 if len(self._leases) else 0.005)
             self._wake.clear()
+
+
+def _answer(pending):
+    """A ``PendingAnswer``'s reply, or the error it (or its send) raised."""
+    if isinstance(pending, KvxferError):
+        return pending
+    try:
+        return pending.answer()
+    except KvxferError as exc:
+        return exc
 
 
 class _Reversed:

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, TransferTimeoutError
 from kvxfer.layout import CacheView, build_plan
 from kvxfer.protocol import ClientSession, Codec, PeerInfo
 from kvxfer.transport.zmq import SideChannelClient
 
-__all__ = ["PeerLink", "PeerDirectory"]
+__all__ = ["PeerLink", "PeerDirectory", "PendingAnswer"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -69,6 +69,19 @@ class PeerLink:
             reply = self.client.request(frame, timeout)
             return self.session.response(reply, message)
 
+    def send(self, message, timeout: float) -> "PendingAnswer":
+        """Send a request now; ``answer()`` on the result waits for the reply (see ``ask``).
+
+        The link is held (other requests on it wait) until the answer is taken or cancelled."""
+        if not self.lock.acquire(timeout=timeout):
+            raise TransferTimeoutError(f"link to {self.engine_id}: another request held it for {timeout} s")
+        try:
+            pending = self.client.send(self.session.request(message), timeout)
+        except BaseException:
+            self.lock.release()
+            raise
+        return PendingAnswer(self, message, pending)
+
     def close(self) -> None:
         self.client.close()
         closers, self.on_close = self.on_close, []
@@ -77,6 +90,32 @@ class PeerLink:
                 fn()
             except Exception as exc:  # best effort: the link is going away
                 log.warning("closing link to %s: %s", self.engine_id, exc)
+
+
+class PendingAnswer:
+    """A request ``PeerLink.send`` sent: ``answer()`` once, or ``cancel()``."""
+
+    def __init__(self, link: PeerLink, message, pending) -> None:
+        self.link, self._message, self._pending = link, message, pending
+        self._open = True
+
+    def answer(self):
+        """The decoded reply (raises as ``PeerLink.ask``)."""
+        try:
+            return self.link.session.response(self._pending.reply(), self._message)
+        finally:
+            self._finish()
+
+    def cancel(self) -> None:
+        try:
+            self._pending.cancel()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._open:
+            self._open = False
+            self.link.lock.release()
 
 
 class PeerDirectory:

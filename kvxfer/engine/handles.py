@@ -17,7 +17,8 @@ class TransferStats:
 
     ``setup_seconds``: from the call until the transfer was posted (checking ids, choosing the
     path, the producers' claim round trips, tables, kernel launches; on host memory UCX may also
-    move data inside the post); ``claim_seconds`` is the claims' share of it; ``seconds`` runs
+    move data inside the post); ``claim_seconds`` runs from sending the claims to having every
+    answer (work done meanwhile, such as a kernel launch, overlaps it); ``seconds`` runs
     from the post to completion.
     """
 

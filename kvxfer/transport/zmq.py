@@ -27,7 +27,7 @@ from kvxfer.errors import (
 )
 from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession
 
-__all__ = ["SideChannelClient", "SideChannelServer"]
+__all__ = ["PendingReply", "SideChannelClient", "SideChannelServer"]
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +263,16 @@ class SideChannelClient:
             ClosedError: after ``close()``.
             ConfigError: ``timeout`` is not a positive finite number.
         """
+        return self.send(frame, timeout).reply()
+
+    def send(self, frame: bytes, timeout: float) -> "PendingReply":
+        """Send ``frame`` now and return at once; ``reply()`` on the result waits for the answer.
+
+        The caller can work while the request travels. The channel stays held until the reply
+        is taken or ``cancel()`` is called: other requests on this client wait until then.
+        ``timeout`` counts from this call. Raises as ``request`` does for what fails before the
+        reply is awaited.
+        """
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds; got {timeout!r}")
         if len(frame) > self._max_bytes:
@@ -273,11 +283,13 @@ class SideChannelClient:
                 f"side channel {self.endpoint}: another request held the channel for {timeout} s"
             )
         try:
-            return self._request_locked(frame, timeout, deadline)
-        finally:
+            self._send_locked(frame)
+        except BaseException:
             self._lock.release()
+            raise
+        return PendingReply(self, timeout, deadline)
 
-    def _request_locked(self, frame: bytes, timeout: float, deadline: float) -> bytes:
+    def _send_locked(self, frame: bytes) -> None:
         if self._closed:
             raise ClosedError(f"side channel client for {self.endpoint} was closed")
         sock = self._ensure()
@@ -288,6 +300,11 @@ class SideChannelClient:
         except zmq.ZMQError as exc:
             self._reset()
             raise PeerLostError(f"side channel {self.endpoint}: cannot send: {exc}") from None
+
+    def _await_locked(self, timeout: float, deadline: float) -> bytes:
+        sock = self._sock
+        if sock is None:  # closed since the send
+            raise ClosedError(f"side channel client for {self.endpoint} was closed")
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -326,3 +343,32 @@ class SideChannelClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PendingReply:
+    """A request ``SideChannelClient.send`` sent; it holds the client until finished."""
+
+    def __init__(self, client: SideChannelClient, timeout: float, deadline: float) -> None:
+        self._client, self._timeout, self._deadline = client, timeout, deadline
+        self._open = True
+
+    def reply(self) -> bytes:
+        """Wait for the reply frame (raises as ``SideChannelClient.request``); once only."""
+        if not self._open:
+            raise ProtocolError("this request's reply was already taken or cancelled")
+        try:
+            return self._client._await_locked(self._timeout, self._deadline)
+        finally:
+            self._finish()
+
+    def cancel(self) -> None:
+        """Give the reply up: the socket is discarded, so it can never answer a later request."""
+        if self._open:
+            try:
+                self._client._reset()
+            finally:
+                self._finish()
+
+    def _finish(self) -> None:
+        self._open = False
+        self._client._lock.release()

@@ -239,3 +239,40 @@ def test_client_limits_and_close():
         client.request(b"x", timeout=1)
     with pytest.raises(ConfigError, match="port"):
         SideChannelClient("127.0.0.1", 70000)
+
+
+def test_send_returns_before_the_reply_and_holds_the_channel_until_it_is_taken():
+    """``send`` lets the caller work while the request travels; the channel stays held meanwhile,
+    and a cancelled request's late reply never answers the next one."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = SideChannelClient("127.0.0.1", port)
+    try:
+        pending = client.send(b"one", timeout=10)   # returns although nobody answered yet
+        ident, frame = router.recv_multipart()
+        assert frame == b"one"
+        with pytest.raises(TransferTimeoutError, match="another request held the channel"):
+            client.request(b"meanwhile", timeout=0.2)
+        router.send_multipart([ident, b"answer to one"])
+        assert pending.reply() == b"answer to one"
+        with pytest.raises(ProtocolError, match="already taken"):
+            pending.reply()
+        cancelled = client.send(b"two", timeout=10)
+        ident2, _ = router.recv_multipart()
+        cancelled.cancel()
+        router.send_multipart([ident2, b"late answer to two"])  # the socket it was meant for is gone
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(client.request(b"three", timeout=10)))
+        t.start()
+        assert router.poll(10_000)
+        ident3, three = router.recv_multipart()
+        assert three == b"three" and ident3 != ident2
+        router.send_multipart([ident3, b"answer to three"])
+        t.join(10)
+        assert result == [b"answer to three"]
+    finally:
+        client.close()
+        router.close()
+        ctx.term()
