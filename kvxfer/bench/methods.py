@@ -356,14 +356,23 @@ def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
 def serve_agent(w, consumer, request, tokens, rounds, options):
     """Producer half of ``kvxfer-agent``: hold every round's request, wait until all are read."""
     ag = _bench_agent(w, options, options["port"], listen=True)
+    ag.finished()  # forget earlier serves' reports
     rids = [f"bench-{options['run']}-{i}" for i in range(rounds)]
     for rid in rids:
-        ag.hold(rid, request["ids"])
+        # one consumer rank is measured: with consumer TP > 1 (tp1-2) the default would wait
+        # for the unmeasured ranks' reads until the lease expired
+        ag.hold(rid, request["ids"], consumers=1)
     deadline = time.monotonic() + _DEADLINE * 2
     while any(ag.holding(rid) for rid in rids):
         if time.monotonic() > deadline:
-            raise TransferTimeoutError("kvxfer-agent: consumer did not finish every request")
+            raise TransferTimeoutError("kvxfer-agent: the producer still holds requests the consumer read; "
+                                       "it was never told they were done")
         time.sleep(1e-3)
+    sent = ag.finished().sent
+    missing = [rid for rid in rids if rid not in sent]
+    if missing:
+        raise TransferFailedError(f"kvxfer-agent: {len(missing)} of {rounds} holds ended without the "
+                                  f"consumer's done notice (e.g. {missing[0]!r})")
     return {"rounds": rounds}
 
 

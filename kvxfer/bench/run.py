@@ -222,6 +222,8 @@ def _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p,
                 p.recv(timeout=300)
             except Exception as exc:
                 res.setdefault("producer_errors", []).append(str(exc)[-1500:])
+        if res.get("producer_errors") and "error" not in res:  # e.g. it never learnt a read was done
+            res["error"] = "producer failed: " + res["producer_errors"][0]
         return res
     except Exception as exc:  # one failing method must not hide the others' figures
         return {"error": str(exc)[-2000:]}
