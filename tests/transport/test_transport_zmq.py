@@ -131,31 +131,43 @@ def test_dead_server_times_out_with_a_typed_error_within_its_deadline():
     client.close()
 
 
-def test_silent_server_times_out_and_the_socket_is_reset():
+@pytest.fixture
+def silent_router():
+    """A bare ROUTER socket that answers only when the test says so, and a client of it."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = SideChannelClient("127.0.0.1", port)
+    client = SideChannelClient("127.0.0.1", router.bind_to_random_port("tcp://127.0.0.1"))
     try:
-        with pytest.raises(TransferTimeoutError, match="no reply within 0.3 s"):
-            client.request(b"first", timeout=0.3)
-        ident, first = router.recv_multipart()
-        assert first == b"first"
-        router.send_multipart([ident, b"late answer to first"])  # must never reach the next request
-        result: list = []
-        t = threading.Thread(target=lambda: result.append(client.request(b"second", timeout=10)))
-        t.start()
-        assert router.poll(10_000)
-        ident2, second = router.recv_multipart()
-        assert second == b"second" and ident2 != ident
-        router.send_multipart([ident2, b"answer to second"])
-        t.join(10)
-        assert result == [b"answer to second"]
+        yield router, client
     finally:
         client.close()
         router.close()
         ctx.term()
+
+
+def answers_next_request(router, client, stale_ident: bytes, frame: bytes) -> bool:
+    """Send ``frame`` from another thread: it must arrive on a fresh socket (not ``stale_ident``)
+    and get the answer meant for it, whatever late replies the old socket was sent."""
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(client.request(frame, timeout=10)))
+    t.start()
+    assert router.poll(10_000)
+    ident, got = router.recv_multipart()
+    assert got == frame and ident != stale_ident
+    router.send_multipart([ident, b"answer to " + frame])
+    t.join(10)
+    return result == [b"answer to " + frame]
+
+
+def test_silent_server_times_out_and_the_socket_is_reset(silent_router):
+    router, client = silent_router
+    with pytest.raises(TransferTimeoutError, match="no reply within 0.3 s"):
+        client.request(b"first", timeout=0.3)
+    ident, first = router.recv_multipart()
+    assert first == b"first"
+    router.send_multipart([ident, b"late answer to first"])  # must never reach the next request
+    assert answers_next_request(router, client, ident, b"second")
 
 
 def test_port_taken_is_a_config_error_naming_the_address():
@@ -241,38 +253,21 @@ def test_client_limits_and_close():
         SideChannelClient("127.0.0.1", 70000)
 
 
-def test_send_returns_before_the_reply_and_holds_the_channel_until_it_is_taken():
+def test_send_returns_before_the_reply_and_holds_the_channel_until_it_is_taken(silent_router):
     """``send`` lets the caller work while the request travels; the channel stays held meanwhile,
     and a cancelled request's late reply never answers the next one."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = SideChannelClient("127.0.0.1", port)
-    try:
-        pending = client.send(b"one", timeout=10)   # returns although nobody answered yet
-        ident, frame = router.recv_multipart()
-        assert frame == b"one"
-        with pytest.raises(TransferTimeoutError, match="another request held the channel"):
-            client.request(b"meanwhile", timeout=0.2)
-        router.send_multipart([ident, b"answer to one"])
-        assert pending.reply() == b"answer to one"
-        with pytest.raises(ProtocolError, match="already taken"):
-            pending.reply()
-        cancelled = client.send(b"two", timeout=10)
-        ident2, _ = router.recv_multipart()
-        cancelled.cancel()
-        router.send_multipart([ident2, b"late answer to two"])  # the socket it was meant for is gone
-        result: list = []
-        t = threading.Thread(target=lambda: result.append(client.request(b"three", timeout=10)))
-        t.start()
-        assert router.poll(10_000)
-        ident3, three = router.recv_multipart()
-        assert three == b"three" and ident3 != ident2
-        router.send_multipart([ident3, b"answer to three"])
-        t.join(10)
-        assert result == [b"answer to three"]
-    finally:
-        client.close()
-        router.close()
-        ctx.term()
+    router, client = silent_router
+    pending = client.send(b"one", timeout=10)   # returns although nobody answered yet
+    ident, frame = router.recv_multipart()
+    assert frame == b"one"
+    with pytest.raises(TransferTimeoutError, match="another request held the channel"):
+        client.request(b"meanwhile", timeout=0.2)
+    router.send_multipart([ident, b"answer to one"])
+    assert pending.reply() == b"answer to one"
+    with pytest.raises(ProtocolError, match="already taken"):
+        pending.reply()
+    cancelled = client.send(b"two", timeout=10)
+    ident2, _ = router.recv_multipart()
+    cancelled.cancel()
+    router.send_multipart([ident2, b"late answer to two"])  # the socket it was meant for is gone
+    assert answers_next_request(router, client, ident2, b"three")
