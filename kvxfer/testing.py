@@ -4,18 +4,23 @@
 fault injection (``fail_next``, ``hold_transfers``, ``kill``); see ``kvxfer.backend.fake``.
 ``free_port_block`` finds free side-channel ports; ``logical_kv`` and ``expected_read`` are a
 tensor-level oracle for split-storage caches (what a read must leave in the consumer's blocks).
+``ProducerProcess`` and ``serve_commands`` run a producer rank in a spawned process that a test
+drives through two queues.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import socket
+from typing import Any, Callable
 
 import numpy as np
 
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.layout import KVSpec
 
-__all__ = ["FakeBackend", "FakeWorld", "expected_read", "free_port_block", "logical_kv"]
+__all__ = ["FakeBackend", "FakeWorld", "ProducerProcess", "expected_read", "free_port_block", "logical_kv",
+           "serve_commands"]
 
 
 def free_port_block(n: int = 4) -> int:
@@ -65,3 +70,60 @@ def expected_read(consumer: KVSpec, before: list[np.ndarray], c_ids,
         lo, hi = max(p0, c0), min(p0 + spec.heads_per_rank, c0 + consumer.heads_per_rank)
         want[:, :, :, lo - c0:hi - c0] = src[:, :, :, lo - p0:hi - p0]
     return want
+
+
+def serve_commands(agent, holds: dict, cmd, out, timeout: float = 300.0,
+                   extra: dict[str, Callable[[Any], Any]] | None = None) -> None:
+    """The body of a ``ProducerProcess`` once ``agent`` is registered and listening.
+
+    Holds ``holds`` (request id -> block ids), reports ``("ready", address)``, then answers
+    commands until ``"stop"``: ``"holding"`` (the ids of ``holds`` still held), ``"finished"``
+    (``(sent, expired)`` since the last call) and any name in ``extra`` (``fn(agent)``)."""
+    for rid, blocks in holds.items():
+        agent.hold(rid, blocks)
+    out.put(("ready", agent.address))
+    answers: dict[str, Callable[[Any], Any]] = {
+        "holding": lambda a: sorted(rid for rid in holds if a.holding(rid)),
+        "finished": lambda a: (lambda fin: (sorted(fin.sent), sorted(fin.expired)))(a.finished()),
+        **(extra or {}),
+    }
+    while True:
+        what = cmd.get(timeout=timeout)
+        if what == "stop":
+            return
+        out.put(answers[what](agent))
+
+
+class ProducerProcess:
+    """A producer rank in a spawned process: ``target(cmd, out, *args)`` ends in ``serve_commands``.
+
+    ``wait=False`` returns at once (start several, then ``ready()`` each)."""
+
+    def __init__(self, target: Callable[..., None], *args: Any, wait: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self.cmd, self.out = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=target, args=(self.cmd, self.out, *args), daemon=True)
+        self.proc.start()
+        if wait:
+            self.ready()
+
+    def ready(self) -> "ProducerProcess":
+        tag, self.address = self.out.get(timeout=300)  # generous: CI hosts can be loaded
+        if tag != "ready":
+            raise RuntimeError(f"producer process answered {tag!r} before it was ready")
+        return self
+
+    def ask(self, what: str, timeout: float = 120.0):
+        self.cmd.put(what)
+        return self.out.get(timeout=timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(20)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.cmd.put("stop")
+            self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()

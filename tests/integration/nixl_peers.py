@@ -1,10 +1,9 @@
 """Helpers for integration tests: producer ranks in their own processes over real NIXL + ZMQ."""
 
-import multiprocessing as mp
-
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec
+from kvxfer.testing import ProducerProcess, serve_commands
 from kvxfer.testing import free_port_block  # noqa: F401 - the tests import it from here
 
 
@@ -27,7 +26,7 @@ def _stall(after: int) -> None:
     host._Event.record = record
 
 
-def _producer(spec_kwargs: dict, seed: int, port: int, holds: dict, cmd, out, cfg: dict,
+def _producer(cmd, out, spec_kwargs: dict, seed: int, port: int, holds: dict, cfg: dict,
               stall_after: int | None = None) -> None:
     if stall_after is not None:
         _stall(stall_after)
@@ -36,51 +35,24 @@ def _producer(spec_kwargs: dict, seed: int, port: int, holds: dict, cmd, out, cf
     with Agent(f"producer{spec.tp_rank}", spec, config) as agent:
         agent.register(cache_for(spec, seed))
         agent.listen()
-        for rid, blocks in holds.items():
-            agent.hold(rid, blocks)
-        out.put(("ready", agent.address))
-        while True:
-            what = cmd.get(timeout=120)
-            if what == "stop":
-                return
-            if what == "finished":
-                fin = agent.finished()
-                out.put((sorted(fin.sent), sorted(fin.expired)))
-            elif what == "holding":
-                out.put(sorted(rid for rid in holds if agent.holding(rid)))
-            elif what == "serving":  # staged reads being served, staging slots in use
-                out.put((agent._packer.serving(), agent._kit.slots_in_use))
+        serve_commands(agent, holds, cmd, out, timeout=120,
+                       # staged reads being served, staging slots in use
+                       extra={"serving": lambda a: (a._packer.serving(), a._kit.slots_in_use)})
 
 
-class Producer:
+def spec_kwargs(spec: KVSpec) -> dict:
+    return {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+
+
+class Producer(ProducerProcess):
     """A producer rank running in a spawned process; talk to it through queues.
 
     ``stall_after=n``: its staged pack stream stops completing after ``n`` pieces (see ``_stall``).
     """
 
     def __init__(self, spec: KVSpec, seed: int, port: int, holds: dict, stall_after: int | None = None,
-                 **cfg) -> None:
-        ctx = mp.get_context("spawn")
-        self.cmd, self.out = ctx.Queue(), ctx.Queue()
-        kwargs = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-        self.proc = ctx.Process(target=_producer,
-                                args=(kwargs, seed, port, holds, self.cmd, self.out, cfg, stall_after),
-                                daemon=True)
-        self.proc.start()
-        tag, self.address = self.out.get(timeout=300)  # generous: CI hosts can be loaded
-        assert tag == "ready"
+                 *, target=_producer, wait: bool = True, **cfg) -> None:
+        super().__init__(target, spec_kwargs(spec), seed, port, holds, cfg, stall_after, wait=wait)
 
-    def ask(self, what: str):
-        self.cmd.put(what)
-        return self.out.get(timeout=60)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(20)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.cmd.put("stop")
-            self.proc.join(20)
-        if self.proc.is_alive():
-            self.proc.kill()
+    def ask(self, what: str, timeout: float = 60.0):
+        return super().ask(what, timeout)

@@ -7,7 +7,6 @@ codec's body decoder loses the messages it did not know (``Done``, ``PackRequest
 tests/protocol/test_protocol_old_peer.py, the same over FakeBackend in tests/engine/test_old_peer.py.
 """
 
-import multiprocessing as mp
 import time
 
 import numpy as np
@@ -61,23 +60,6 @@ def _old_producer(*args) -> None:
     _producer(*args)
 
 
-class OldProducer(Producer):
-    """``Producer`` running ``_old_producer``; ``start`` does not wait, ``ready`` does."""
-
-    def __init__(self, spec: KVSpec, seed: int, port: int, holds: dict) -> None:
-        ctx = mp.get_context("spawn")
-        self.cmd, self.out = ctx.Queue(), ctx.Queue()
-        kwargs = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-        self.proc = ctx.Process(target=_old_producer,
-                                args=(kwargs, seed, port, holds, self.cmd, self.out, {}, None), daemon=True)
-        self.proc.start()
-
-    def ready(self) -> "OldProducer":
-        tag, self.address = self.out.get(timeout=300)
-        assert tag == "ready"
-        return self
-
-
 def test_auto_read_from_old_producers_is_direct_exact_and_releases_the_notify_only_replica(producers):
     """Producer TP 2 holding one replicated KV head, consumer TP 1, transfer_path auto: the
     consumer reads rank 0 only (direct, byte-exact per the oracle) and must tell rank 1, which
@@ -86,7 +68,8 @@ def test_auto_read_from_old_producers_is_direct_exact_and_releases_the_notify_on
     p_ids, c_ids = [31, 2, 17, 40], [3, 4, 20, 47]
     specs = [KVSpec(**SPEC, tp_size=2, tp_rank=r) for r in range(2)]
     for rank, spec in enumerate(specs):
-        producers.append(OldProducer(spec, seed=30 + rank, port=port, holds={"r": p_ids}))
+        producers.append(Producer(spec, seed=30 + rank, port=port, holds={"r": p_ids},
+                                  target=_old_producer, wait=False))
     for p in producers:
         p.ready()
     cspec = KVSpec(**SPEC)
