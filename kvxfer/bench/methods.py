@@ -28,7 +28,7 @@ from kvxfer.bench.links import PeerLink
 from kvxfer.errors import TransferFailedError, TransferTimeoutError
 from kvxfer.types import Direction, MemKind, XferState
 
-__all__ = ["CONSUMER", "PRODUCER", "peer_copy"]
+__all__ = ["CONSUMER", "PREPARE", "PRODUCER", "peer_copy"]
 
 _DEADLINE = 30.0
 
@@ -353,15 +353,26 @@ def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
     return {"rounds": rounds}
 
 
-def serve_agent(w, consumer, request, tokens, rounds, options):
-    """Producer half of ``kvxfer-agent``: hold every round's request, wait until all are read."""
+def hold_agent(w, consumer, request, tokens, rounds, options):
+    """Before ``kvxfer-agent`` is timed: hold every round's request, so the consumer's first
+    claim (at once, when the agents are already connected) finds it held."""
     ag = _bench_agent(w, options, options["port"], listen=True)
     ag.finished()  # forget earlier serves' reports
-    rids = [f"bench-{options['run']}-{i}" for i in range(rounds)]
-    for rid in rids:
+    for rid in _agent_rids(options, rounds):
         # one consumer rank is measured: with consumer TP > 1 (tp1-2) the default would wait
         # for the unmeasured ranks' reads until the lease expired
         ag.hold(rid, request["ids"], consumers=1)
+    return {"held": rounds}
+
+
+def _agent_rids(options: dict, rounds: int) -> list[str]:
+    return [f"bench-{options['run']}-{i}" for i in range(rounds)]
+
+
+def serve_agent(w, consumer, request, tokens, rounds, options):
+    """Producer half of ``kvxfer-agent`` (after ``hold_agent``): wait until every request was read."""
+    ag = _bench_agent(w, options, options["port"], listen=True)
+    rids = _agent_rids(options, rounds)
     deadline = time.monotonic() + _DEADLINE * 2
     while any(ag.holding(rid) for rid in rids):
         if time.monotonic() > deadline:
@@ -383,6 +394,11 @@ CONSUMER: dict[str, Callable[..., dict]] = {
     "kvxfer-staged-write": lambda *a: staged(*a, direction="write"),
     "kvxfer-ipc": ipc,
     "kvxfer-agent": agent,
+}
+
+#: Producer steps that must finish before the consumer starts ``measure``.
+PREPARE: dict[str, Callable[..., dict]] = {
+    "kvxfer-agent": hold_agent,
 }
 
 PRODUCER: dict[str, Callable[..., dict]] = {

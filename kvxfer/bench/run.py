@@ -209,6 +209,9 @@ def _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p,
         if method == "peer-copy":
             return consumer.call("peer_copy", src_device=dev_p, nbytes=nbytes, iters=cfg.iters,
                                  warmup=cfg.warmup)
+        for p, req in zip(producers, requests):  # e.g. hold the requests the consumer will claim
+            p.call("prepare", method=method, consumer="bench-c", request=req, tokens=tokens,
+                   rounds=cfg.iters + cfg.warmup, options=options)
         for p, req in zip(producers, requests):
             p.send("serve", method=method, consumer="bench-c", request=req, tokens=tokens,
                    rounds=cfg.iters + cfg.warmup, options=options)

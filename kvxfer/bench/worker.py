@@ -4,7 +4,8 @@ The orchestrator (``kvxfer.bench.run``) starts one process per NIXL agent, becau
 cannot use CUDA IPC between two agents of one process. Each command is ``(name, kwargs)``;
 the reply is ``("ok", result)`` or ``("err", traceback text)``. Commands: ``setup``,
 ``connect``, ``expect`` (consumer: build the expected cache for a request), ``measure``
-(consumer: time one method) and ``serve`` (producer: play its part in ``measure``).
+(consumer: time one method), ``prepare`` (producer: what must be done before ``measure``
+starts, e.g. holding the requests) and ``serve`` (producer: play its part in ``measure``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ class Worker:
         return fn(self, requests, tokens, iters, warmup, options)
 
     # ---- producer ----------------------------------------------------------------------
+    def prepare(self, method: str, consumer: str, request: dict, tokens: int, rounds: int,
+                options: dict) -> dict:
+        """The producer's set-up for ``method`` that must be done before ``measure`` starts."""
+        fn = methods.PREPARE.get(method)
+        return {} if fn is None else fn(self, consumer, request, tokens, rounds, options)
+
     def serve(self, method: str, consumer: str, request: dict, tokens: int, rounds: int,
               options: dict) -> dict:
         """Play the producer's part of ``method`` for ``rounds`` iterations (GO-driven)."""
