@@ -156,11 +156,18 @@ class Reject(_Msg, frozen=True):
 
 
 class Claim(_Msg, frozen=True):
-    """Consumer -> producer before reading: 'I am about to read these blocks of this request'."""
+    """Consumer -> producer before reading: 'I am about to read these blocks of this request'.
+
+    ``window``: seconds, from the producer's receipt of this claim, during which the consumer
+    may still be moving bytes; the producer keeps the blocks (whatever ``release``, abort or
+    lease expiry say meanwhile) until the consumer reports done or the window has passed.
+    0 (an older consumer): the producer's own lease timeout.
+    """
 
     request_id: Id
     block_ids: list[NonNeg]
     engine_id: Id
+    window: Seconds = 0.0
 
 
 class Grant(_Msg, frozen=True):
