@@ -1,10 +1,17 @@
-"""Producer-side holds on a request's blocks (layer: engine; pure logic over an injectable clock).
+"""Producer-side ownership of a request's blocks (layer: engine; pure logic over an injectable clock).
 
-A producer ``hold``s a request's blocks. Consumers ``claim`` them before reading (the claim
-is refused once the hold is gone, so a late read is never served from freed blocks), report
-``done`` when their read completed, and may ``abort``. The hold ends when every expected
-consumer is done (``sent``), or on abort / lease expiry (``expired``). Claimed holds are
-kept alive by the claim and by heartbeats; an unclaimed hold lives ``lease`` seconds.
+A request's blocks move through three states (docs/reliability.md has the table):
+
+* **held** (``hold``): readable by claims; freed by ``release``, abort or lease expiry.
+* **claimed**: a consumer's ``claim`` names a transfer *window* (seconds from the claim's
+  receipt). Until every claimant is done or its window has passed, the blocks are not freed,
+  whatever ``release``, abort or lease expiry say meanwhile: those only mark the request as
+  *ending* (new claims are refused) and the free happens when the last window closes.
+* **free**: the ``on_release(request_id, why)`` callback fires exactly once, only now; the
+  engine that owns the cache may reuse the blocks from this moment on, never before.
+
+The consumer counts its window from before it sent the claim and fails a read that finished
+after it, so a read that succeeds never overlapped a free.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ from typing import Callable
 import numpy as np
 
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.errors import BlockIdError, ConfigError
+from kvxfer.errors import ConfigError
+from kvxfer.layout.request import check_block_ids
 
-__all__ = ["Hold", "LeaseTable", "ClaimResult"]
+__all__ = ["Hold", "LeaseTable", "ClaimResult", "HoldCounts"]
 
 
 @dataclass
@@ -26,9 +34,14 @@ class Hold:
     request_id: str
     blocks: np.ndarray            # sorted unique int64 block ids
     expected: int | None          # consumers that must report done; None until the first claim says
-    deadline: float
-    claimed_by: set[str] = field(default_factory=set)
+    deadline: float               # lease: when an unclaimed hold expires
+    windows: dict[str, float] = field(default_factory=dict)  # claimant -> end of its transfer window
     done_by: set[str] = field(default_factory=set)
+    ending: str = ""              # why the hold ends once its windows close ("aborted", "expired")
+
+    def open_windows(self, now: float) -> bool:
+        """Whether some claimant that has not reported done may still be moving bytes."""
+        return any(until > now and who not in self.done_by for who, until in self.windows.items())
 
 
 @dataclass(frozen=True)
@@ -38,14 +51,36 @@ class ClaimResult:
     lease_remaining: float = 0.0
 
 
+@dataclass(frozen=True)
+class HoldCounts:
+    """A snapshot for ``Agent.stats()``: holds, their blocks, and those inside a claim window."""
+
+    requests: int
+    blocks: int
+    claimed: int
+    ending: int
+
+
 class LeaseTable:
-    """Thread-safe table of holds. Every method is O(blocks of one request) at most."""
+    """Thread-safe table of holds. Every method is O(blocks of one request) at most.
+
+    Args:
+        lease: seconds an unclaimed hold lives (and the window of a claim that names none).
+        clock: the clock every deadline and window is measured on.
+        on_release: ``(request_id, why)`` once per hold, when its blocks are really free;
+            ``why`` is "sent", "aborted" or "expired".
+        max_window: the longest transfer window a claim may name (a hostile or confused
+            consumer cannot pin blocks for longer).
+    """
 
     def __init__(self, lease: float, clock: Clock | None = None,
-                 on_release: Callable[[str, str], None] | None = None) -> None:
+                 on_release: Callable[[str, str], None] | None = None, max_window: float = 480.0) -> None:
         if lease <= 0:
             raise ConfigError(f"lease must be positive; got {lease!r}")
+        if max_window <= 0:
+            raise ConfigError(f"max_window must be positive; got {max_window!r}")
         self._lease = lease
+        self._max_window = max(max_window, lease)
         self._clock = clock or MonotonicClock()
         self._holds: dict[str, Hold] = {}
         self._lock = threading.Lock()
@@ -56,53 +91,73 @@ class LeaseTable:
             return len(self._holds)
 
     def held(self, request_id: str) -> bool:
+        """True until the request's blocks are free (also while a release waits on a window)."""
         with self._lock:
             return request_id in self._holds
 
+    def counts(self) -> HoldCounts:
+        now = self._clock.now()
+        with self._lock:
+            holds = list(self._holds.values())
+        return HoldCounts(len(holds), sum(int(h.blocks.size) for h in holds),
+                          sum(1 for h in holds if h.open_windows(now)), sum(1 for h in holds if h.ending))
+
     def hold(self, request_id: str, blocks, num_blocks: int, consumers: int | None = None,
              lease: float | None = None) -> None:
-        """Hold ``blocks`` for ``request_id``. Re-holding a held request replaces its blocks.
+        """Hold ``blocks`` for ``request_id``. Re-holding a held request replaces its blocks,
+        unless a claim window is open on it (then the blocks may be in use: refused).
 
         Raises:
-            BlockIdError: a block id outside ``[0, num_blocks)`` (names the id and the bound).
-            ConfigError: ``consumers`` < 1 or ``lease`` <= 0.
+            BlockIdError: ids that are not distinct integers in ``[0, num_blocks)`` (names the id and bound).
+            ConfigError: ``consumers`` < 1, ``lease`` <= 0, or the request is inside a claim window.
         """
-        ids = np.asarray(list(blocks) if not isinstance(blocks, np.ndarray) else blocks, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-            bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
-            raise BlockIdError(f"block id {bad} outside this cache's [0, {num_blocks})")
-        if consumers is not None and consumers < 1:
-            raise ConfigError(f"consumers must be >= 1; got {consumers}")
-        if lease is not None and lease <= 0:
-            raise ConfigError(f"lease must be positive; got {lease}")
-        deadline = self._clock.now() + (lease or self._lease)
+        ids = check_block_ids("held", blocks, num_blocks)
+        if consumers is not None and (isinstance(consumers, bool) or not isinstance(consumers, int)
+                                      or consumers < 1):
+            raise ConfigError(f"consumers must be an integer >= 1; got {consumers!r}")
+        if lease is not None and not lease > 0:
+            raise ConfigError(f"lease must be positive; got {lease!r}")
+        now = self._clock.now()
         with self._lock:
-            self._holds[request_id] = Hold(request_id, np.unique(ids), consumers, deadline)
+            old = self._holds.get(request_id)
+            if old is not None and (old.ending or old.open_windows(now)):
+                raise ConfigError(f"request {request_id!r} is being read (a claim window is open); "
+                                  "hold it again once finished() reports it")
+            self._holds[request_id] = Hold(request_id, np.unique(ids), consumers, now + (lease or self._lease))
 
-    def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1) -> ClaimResult:
-        """A consumer announces it will read ``blocks``; refused unless all are held for the request."""
+    def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1,
+              window: float = 0.0) -> ClaimResult:
+        """A consumer announces it will read ``blocks`` within ``window`` seconds (0: the lease).
+
+        Refused unless every block is held for the request and the request is not ending."""
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None:
                 return ClaimResult(False, f"request {request_id!r} is not held (unknown, released or expired)")
+            if hold.ending:
+                return ClaimResult(False, f"request {request_id!r} was {hold.ending} (freed once its reads end)")
             wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
-            missing = wanted[~np.isin(wanted, hold.blocks, assume_unique=False)]
+            missing = wanted[~np.isin(wanted, hold.blocks)]
             if missing.size:
                 return ClaimResult(False, f"block {int(missing[0])} is not held for request {request_id!r}")
             if hold.expected is None:
                 hold.expected = expected_if_unset
-            hold.claimed_by.add(consumer)
-            hold.deadline = max(hold.deadline, self._clock.now() + self._lease)
-            return ClaimResult(True, lease_remaining=hold.deadline - self._clock.now())
+            now = self._clock.now()
+            until = now + min(window if window > 0 else self._lease, self._max_window)
+            hold.windows[consumer] = max(hold.windows.get(consumer, 0.0), until)
+            hold.done_by.discard(consumer)  # a claim after a done starts a new read
+            hold.deadline = max(hold.deadline, now + self._lease)
+            return ClaimResult(True, lease_remaining=until - now)
 
     def check_claimed(self, request_id: str, consumer: str, blocks) -> str:
         """Why ``consumer`` may not read ``blocks`` of ``request_id`` now ("" when it may). Changes nothing."""
+        now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None:
                 return f"request {request_id!r} is not held (unknown, released or expired)"
-            if consumer not in hold.claimed_by:
-                return f"request {request_id!r} was not claimed by {consumer!r}"
+            if hold.windows.get(consumer, 0.0) <= now:
+                return f"request {request_id!r} has no open claim by {consumer!r}"
             wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
             missing = wanted[~np.isin(wanted, hold.blocks)]
             if missing.size:
@@ -110,13 +165,13 @@ class LeaseTable:
         return ""
 
     def heartbeat(self, request_ids, consumer: str) -> tuple[list[str], list[str]]:
-        """Extend the holds a consumer still waits on; returns (alive, gone)."""
+        """Extend the holds a consumer still waits on; returns (alive, gone). An ending hold is gone."""
         alive, gone = [], []
         now = self._clock.now()
         with self._lock:
             for rid in request_ids:
                 hold = self._holds.get(rid)
-                if hold is None:
+                if hold is None or hold.ending:
                     gone.append(rid)
                 else:
                     hold.deadline = max(hold.deadline, now + self._lease)
@@ -124,33 +179,54 @@ class LeaseTable:
         return alive, gone
 
     def done(self, request_id: str, consumer: str) -> bool:
-        """A consumer finished reading. Returns True when this released the hold."""
+        """A consumer finished reading. Returns True when this freed the hold."""
+        now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None:
                 return False
             hold.done_by.add(consumer)
-            if len(hold.done_by) < (hold.expected or 1):
+            hold.windows.pop(consumer, None)
+            if len(hold.done_by) >= (hold.expected or 1):
+                why = hold.ending or "sent"
+            elif hold.ending and not hold.open_windows(now):
+                why = hold.ending
+            else:
                 return False
             del self._holds[request_id]
-        self._on_release(request_id, "sent")
+        self._on_release(request_id, why)
         return True
 
     def release(self, request_id: str, why: str = "aborted") -> bool:
-        """Drop a hold now (producer abort or consumer abort). Idempotent."""
+        """End a hold (producer release or consumer abort). Frees at once unless a claim window
+        is open: then new claims are refused and the blocks are freed when it closes.
+        Returns False if the request was not held (or was already ending). Idempotent."""
+        now = self._clock.now()
         with self._lock:
-            if self._holds.pop(request_id, None) is None:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.ending:
                 return False
+            if hold.open_windows(now):
+                hold.ending = why
+                return True
+            del self._holds[request_id]
         self._on_release(request_id, why)
         return True
 
     def expire(self) -> list[str]:
-        """Release every hold past its deadline; returns their request ids."""
+        """Free every hold past its lease (or ending) whose claim windows have all closed;
+        returns their request ids. A hold past its lease inside a window becomes ending."""
         now = self._clock.now()
+        freed: list[tuple[str, str]] = []
         with self._lock:
-            gone = [rid for rid, h in self._holds.items() if h.deadline <= now]
-            for rid in gone:
+            for rid, hold in list(self._holds.items()):
+                if not hold.ending and hold.deadline > now:
+                    continue
+                if hold.open_windows(now):
+                    hold.ending = hold.ending or "expired"
+                    continue
+                freed.append((rid, hold.ending or "expired"))
                 del self._holds[rid]
-        for rid in gone:
-            self._on_release(rid, "expired")
-        return gone
+        for rid, why in freed:
+            self._on_release(rid, why)
+        return [rid for rid, _ in freed]

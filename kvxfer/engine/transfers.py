@@ -2,12 +2,22 @@
 
 May import backend.base, layout, protocol, clock, errors, types; never nixl, zmq or torch.
 One request may span several peer ranks (heterogeneous TP): each rank is a *part*; the
-request's handle completes when every part has, and fails (releasing the others) as soon
-as one fails or the deadline passes. Staged parts land in a registered staging buffer and
+request's handle completes when every part has, and fails as soon as one fails, it is
+cancelled, or its deadline passes. Staged parts land in a registered staging buffer and
 are unpacked into the cache before the part counts as done. A part may instead carry a
 ``Job`` (the GPU paths: a CUDA IPC kernel, a staged pipeline) that moves the bytes itself;
 the engine polls it and, when it finishes, sends the part's notification to the peer, as a
 backend transfer would have on completion.
+
+Ownership of the destination (docs/reliability.md): a request's transfers are released only
+once the backend says they ended (DONE or FAILED); releasing a pending one does not stop
+bytes arriving over every transport (UCX over TCP keeps writing). So a failed, cancelled or
+timed-out request first *drains*: its handle fails once every transfer has ended, or, if
+that is not confirmed within ``drain_grace`` seconds after its deadline, the handle fails
+anyway and its destination blocks stay *quarantined* (``quarantined()``) until the backend
+confirms the end; ``on_reclaimed(request_id)`` then reports them free. A request that
+completes after its deadline (the window its producer granted) fails: its producer may have
+freed and reused the blocks while they moved.
 """
 
 from __future__ import annotations
@@ -17,13 +27,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
+
 from kvxfer.backend.base import Backend, XferId
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.errors import (
+    BlockIdError,
     ClosedError,
     KvxferError,
+    PeerLostError,
     TransferFailedError,
     TransferTimeoutError,
 )
@@ -69,8 +83,11 @@ class _Request:
     deadline: float | None
     started: float
     mode: str
+    blocks: np.ndarray                      # the local blocks this request writes (READ) or reads
     on_success: Callable[[], None] | None = None
-    finished: bool = False
+    finished: bool = False                  # the handle has completed
+    error: KvxferError | None = None        # set once the request failed: it is draining
+    drain_until: float = 0.0
     stats: TransferStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +100,15 @@ class _Request:
         )
 
 
+@dataclass(frozen=True)
+class EngineCounts:
+    """A snapshot for ``Agent.stats()``."""
+
+    in_flight: int          # requests posted and not yet ended (draining included)
+    draining: int           # failed requests whose transfers are not confirmed ended yet
+    quarantined_blocks: int  # local blocks of failed requests still not confirmed ended
+
+
 class TransferEngine:
     """Tracks in-flight requests over one backend. Thread-safe; ``progress`` is called by one thread.
 
@@ -92,52 +118,68 @@ class TransferEngine:
         staging_base: address of the registered staging buffer (0 if none).
         staging: allocator over that buffer, or None (then staged plans are refused).
         unpack: ``unpack(plan, staging_offset)`` moves a landed staged part into the cache.
+        drain_grace: seconds past a failed request's deadline (or its failure, if later) that
+            its handle waits for the backend to confirm its transfers ended.
+        on_reclaimed: ``(request_id)`` when a quarantined request's blocks are free again.
     """
 
     def __init__(self, backend: Backend, local_kind: MemKind, *, clock: Clock | None = None,
                  staging_base: int = 0, staging: StagingAllocator | None = None,
-                 unpack: Callable[[object, int], None] | None = None) -> None:
+                 unpack: Callable[[object, int], None] | None = None, drain_grace: float = 0.25,
+                 on_reclaimed: Callable[[str], None] | None = None) -> None:
         self._backend = backend
         self._kind = local_kind
         self._clock = clock or MonotonicClock()
         self._staging_base = staging_base
         self._staging = staging
         self._unpack = unpack
+        self._grace = drain_grace
+        self._on_reclaimed = on_reclaimed or (lambda request_id: None)
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}   # posted, not yet ended (draining included)
+        self._quarantine: dict[str, _Request] = {}  # handle failed, transfers not confirmed ended
         self._posting: set[str] = set()
         self._closed = False
 
     # ---- submission --------------------------------------------------------------
     def submit(self, request_id: str, direction: Direction, parts: list[Part], *,
-               timeout: float | None, on_success: Callable[[], None] | None = None,
-               mode: str | None = None, setup_seconds: float = 0.0,
-               claim_seconds: float = 0.0) -> TransferHandle:
+               timeout: float | None = None, deadline: float | None = None, blocks=None,
+               on_success: Callable[[], None] | None = None, mode: str | None = None,
+               setup_seconds: float = 0.0, claim_seconds: float = 0.0) -> TransferHandle:
         """Post every part now and return the request's handle (``mode`` names the path in its stats).
+
+        ``deadline`` (on the engine's clock; or ``timeout`` seconds from now) is the end of the
+        request's window: it fails unless it completed before then. ``blocks`` are the local
+        block ids the request touches; a request may not touch a quarantined block.
 
         Raises:
             ClosedError: the engine was closed.
+            BlockIdError: a block of ``blocks`` is quarantined.
             KvxferError: posting failed (nothing stays posted) or the request id is in flight.
         """
         if self._closed:
             raise ClosedError("transfer engine is closed")
         handle = TransferHandle(request_id)
         now = self._clock.now()
+        if deadline is None and timeout is not None:
+            deadline = now + timeout
         if mode is None:
             mode = "staged" if any(p.job is None and p.plan.staging_bytes for p in parts) else "direct"
-        req = _Request(handle, direction, parts, None if timeout is None else now + timeout,
-                       time.perf_counter(), mode, on_success)
+        ids = np.zeros(0, dtype=np.int64) if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
+        req = _Request(handle, direction, parts, deadline, time.perf_counter(), mode, ids, on_success)
         req.stats.setup_seconds, req.stats.claim_seconds = setup_seconds, claim_seconds
         with self._lock:
-            if request_id in self._requests or request_id in self._posting:
+            if request_id in self._requests or request_id in self._posting or request_id in self._quarantine:
                 raise TransferFailedError(f"request {request_id!r} already has a transfer in flight")
+            self._check_not_quarantined(ids)
             self._posting.add(request_id)
         try:
             # Post before the progress thread can see the request, so it never races the posting.
             for part in parts:
                 self._post(part, direction)
-        except BaseException:
-            self._release_parts(req)
+        except BaseException as exc:
+            req.error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
+            self._end_parts(req, wait=True)
             with self._lock:
                 self._posting.discard(request_id)
             raise
@@ -145,8 +187,16 @@ class TransferEngine:
             self._posting.discard(request_id)
             self._requests[request_id] = req
         if not parts:
-            self._complete(req, None)
+            self._succeed(req)
         return handle
+
+    def _check_not_quarantined(self, ids: np.ndarray) -> None:
+        for other in self._quarantine.values():
+            hit = np.intersect1d(ids, other.blocks)
+            if hit.size:
+                raise BlockIdError(
+                    f"local block {int(hit[0])} is quarantined: request {other.handle.request_id!r} failed "
+                    "and its transfer is not confirmed ended yet (finished().reclaimed reports it free)")
 
     def _post(self, part: Part, direction: Direction) -> None:
         """Post one part; a staged part waits (unposted) while the staging buffer is full."""
@@ -174,21 +224,41 @@ class TransferEngine:
 
     # ---- progress ----------------------------------------------------------------
     def in_flight(self) -> int:
+        """Requests still moving or draining, plus quarantined ones (the progress loop polls them)."""
         with self._lock:
-            return len(self._requests)
+            return len(self._requests) + len(self._quarantine)
+
+    def counts(self) -> EngineCounts:
+        with self._lock:
+            draining = sum(1 for r in self._requests.values() if r.error is not None)
+            return EngineCounts(len(self._requests), draining,
+                                sum(int(r.blocks.size) for r in self._quarantine.values()))
+
+    def quarantined(self) -> dict[str, list[int]]:
+        """Local blocks of failed requests whose transfers are not confirmed ended, by request."""
+        with self._lock:
+            return {rid: r.blocks.tolist() for rid, r in self._quarantine.items()}
 
     def progress(self) -> None:
-        """Poll every in-flight part once; complete, fail or time out requests."""
+        """Poll every in-flight part once; complete, fail, drain or time out requests."""
         with self._lock:
             requests = list(self._requests.values())
-        now = self._clock.now()
+            quarantined = list(self._quarantine.values())
         for req in requests:
-            try:
-                self._poll(req, now)
-            except KvxferError as exc:
-                self._complete(req, exc)
+            if req.error is None:
+                try:
+                    self._poll(req)
+                except KvxferError as exc:
+                    self._fail(req, exc)
+            if req.error is not None:
+                self._drain(req)
+        for req in quarantined:
+            if self._end_parts(req, wait=False):
+                with self._lock:
+                    self._quarantine.pop(req.handle.request_id, None)
+                self._on_reclaimed(req.handle.request_id)
 
-    def _poll(self, req: _Request, now: float) -> None:
+    def _poll(self, req: _Request) -> None:
         for part in req.parts:
             if part.done:
                 continue
@@ -201,16 +271,14 @@ class TransferEngine:
                     part.done = True
                     if part.on_done is not None:
                         part.on_done()
-                    else:
+                    elif part.notification:
                         self._backend.notify(part.peer, part.notification)
                 continue
             state = self._backend.state(part.xfer)
             if state is XferState.PENDING:
                 continue
             if state is XferState.FAILED:
-                raise TransferFailedError(
-                    f"request {req.handle.request_id!r}: transfer with peer {part.peer!r} failed"
-                )
+                raise self._failure(req, part)
             self._backend.release(part.xfer)
             part.xfer = None
             if part.staging_offset is not None:
@@ -218,57 +286,121 @@ class TransferEngine:
                 self._staging.free(part.staging_offset)
                 part.staging_offset = None
             part.done = True
+        seen = self._clock.now()  # every DONE above was observed before this instant
         if all(p.done for p in req.parts):
-            self._complete(req, None)
-        elif req.deadline is not None and now >= req.deadline:
+            if req.deadline is not None and seen > req.deadline:
+                raise TransferTimeoutError(
+                    f"request {req.handle.request_id!r} completed {seen - req.deadline:.3f} s after its "
+                    "window closed; the producer may have reused its blocks meanwhile")
+            self._succeed(req)
+        elif req.deadline is not None and seen >= req.deadline:
             raise TransferTimeoutError(
                 f"request {req.handle.request_id!r}: {sum(p.done for p in req.parts)} of "
                 f"{len(req.parts)} parts complete when its deadline passed"
             )
 
-    def _complete(self, req: _Request, error: KvxferError | None) -> None:
+    def _failure(self, req: _Request, part: Part) -> KvxferError:
+        """The error for a FAILED transfer, chaining the backend's reason (a lost peer stays PeerLostError)."""
+        why = getattr(self._backend, "failure", lambda x: None)(part.xfer)
+        cls = PeerLostError if isinstance(why, PeerLostError) else TransferFailedError
+        err = cls(f"request {req.handle.request_id!r}: transfer with peer {part.peer!r} failed"
+                  + (f": {why}" if why is not None else ""))
+        err.__cause__ = why
+        return err
+
+    def _succeed(self, req: _Request) -> None:
         with self._lock:
-            if req.finished:
+            if req.finished or req.error is not None:
                 return
             req.finished = True
             self._requests.pop(req.handle.request_id, None)
-        if error is not None:
-            self._release_parts(req)
-            req.handle._finish(error=error)
-            return
         req.stats.seconds = time.perf_counter() - req.started
         if req.on_success is not None:
             req.on_success()
         req.handle._finish(stats=req.stats)
 
-    def _release_parts(self, req: _Request) -> None:
-        for part in req.parts:
-            if part.job is not None and not part.done:
-                part.job.cancel()
-            if part.xfer is not None:
-                try:
-                    self._backend.release(part.xfer)
-                except KvxferError:
-                    pass  # already failed; releasing is best effort
-                part.xfer = None
-            if part.staging_offset is not None and self._staging is not None:
-                self._staging.free(part.staging_offset)
-                part.staging_offset = None
+    def _fail(self, req: _Request, error: KvxferError) -> bool:
+        """Mark ``req`` failed; it drains from the next progress step. False if it already ended."""
+        with self._lock:
+            if req.finished or req.error is not None:
+                return False
+            req.error = error
+            now = self._clock.now()
+            req.drain_until = max(now, req.deadline if req.deadline is not None else now) + self._grace
+        return True
+
+    def _drain(self, req: _Request, force: bool = False) -> None:
+        """End a failed request: its handle fails once every transfer ended, or at ``drain_until``
+        (at once with ``force``) with its blocks quarantined until they do."""
+        ended = self._end_parts(req, wait=False)
+        if not ended and not force and self._clock.now() < req.drain_until:
+            return
+        with self._lock:
+            self._requests.pop(req.handle.request_id, None)
+            if req.finished:
+                return
+            req.finished = True
+            if not ended:
+                self._quarantine[req.handle.request_id] = req
+        error = req.error
+        if not ended:
+            error.quarantined_blocks = req.blocks.tolist()
+        req.handle._finish(error=error)
+
+    def _end_parts(self, req: _Request, wait: bool) -> bool:
+        """Stop what ``req`` started and release what has ended; True once nothing can write any more.
+
+        A job is cancelled (its ``cancel`` returns once it cannot write); a backend transfer is
+        released only once the backend reports it DONE or FAILED, because releasing a pending
+        one does not stop its bytes. ``wait``: poll until ended or the grace passes (posting errors)."""
+        until = self._clock.now() + self._grace
+        while True:
+            ended = True
+            for part in req.parts:
+                if part.job is not None and not part.done:
+                    part.job.cancel()
+                    part.done = True
+                if part.xfer is not None:
+                    try:
+                        state = self._backend.state(part.xfer)
+                    except ClosedError:
+                        state = XferState.FAILED  # the backend is gone: nothing moves any more
+                    except KvxferError:
+                        state = XferState.PENDING
+                    if state is XferState.PENDING:
+                        ended = False
+                        continue
+                    try:
+                        self._backend.release(part.xfer)
+                    except KvxferError:
+                        pass  # ended already; releasing is bookkeeping
+                    part.xfer = None
+                if part.xfer is None and part.staging_offset is not None and self._staging is not None:
+                    self._staging.free(part.staging_offset)
+                    part.staging_offset = None
+            if ended or not wait or self._clock.now() >= until:
+                return ended
+            time.sleep(0.0005)
 
     # ---- cancellation ------------------------------------------------------------
     def cancel(self, request_id: str, error: KvxferError) -> bool:
-        """Fail an in-flight request with ``error``; returns False if none was in flight."""
+        """Fail an in-flight request with ``error``; returns False if none was in flight.
+
+        The handle completes once the request's transfers have ended (see the module doc)."""
         with self._lock:
             req = self._requests.get(request_id)
         if req is None:
             return False
-        self._complete(req, error)
-        return True
+        return self._fail(req, error)
 
     def close(self) -> None:
-        """Fail everything in flight with ClosedError. Idempotent."""
+        """Fail everything in flight with ClosedError, waiting up to the grace for transfers
+        to end. Idempotent."""
         self._closed = True
         with self._lock:
             requests = list(self._requests.values())
         for req in requests:
-            self._complete(req, ClosedError(f"agent closed while request {req.handle.request_id!r} was in flight"))
+            self._fail(req, ClosedError(f"agent closed while request {req.handle.request_id!r} was in flight"))
+        for req in requests:
+            self._end_parts(req, wait=True)
+            self._drain(req, force=True)

@@ -77,4 +77,5 @@ def test_deadline_and_cancel_stop_the_job():
     h2 = engine.submit("r2", Direction.READ, [Part("peer", None, MemKind.VRAM, b"n", job=other)],
                        timeout=5, mode="staged")
     assert engine.cancel("r2", TransferFailedError("aborted"))
+    engine.progress()  # the handle ends once the job is stopped (it cannot write any more)
     assert other.cancelled == 1 and h2.done()

@@ -83,7 +83,7 @@ def test_release_is_idempotent():
 @pytest.mark.parametrize("blocks", [[-1], [8], [0, 9]])
 def test_hold_of_unknown_block_ids_names_the_id_and_bound(blocks):
     table, _, _ = make()
-    with pytest.raises(BlockIdError, match=r"outside this cache's \[0, 8\)"):
+    with pytest.raises(BlockIdError, match=r"outside \[0, 8\)"):
         table.hold("r", blocks, num_blocks=8)
     assert len(table) == 0
 
@@ -96,3 +96,76 @@ def test_bad_consumers_or_lease_are_config_errors():
         table.hold("r", [0], num_blocks=1, lease=-1)
     with pytest.raises(ConfigError):
         LeaseTable(0)
+
+
+# ---- claim windows: release, abort and expiry never free blocks a claimant may still read ----
+
+def test_release_inside_a_claim_window_defers_the_free_until_done():
+    table, clock, released = make(lease=10.0)
+    table.hold("r", [1, 2], num_blocks=4)
+    assert table.claim("r", "d", [1, 2], window=5.0).granted
+    assert table.release("r", "aborted")
+    assert released == [] and table.held("r")          # still being read
+    assert not table.claim("r", "other", [1]).granted   # but nobody new may start
+    assert not table.release("r")                       # already ending
+    assert table.done("r", "d")
+    assert released == [("r", "aborted")] and not table.held("r")
+
+
+def test_release_inside_a_claim_window_frees_when_the_window_passes():
+    table, clock, released = make(lease=10.0)
+    table.hold("r", [0], num_blocks=1)
+    table.claim("r", "d", [0], window=2.0)
+    table.release("r")
+    clock.advance(1.9)
+    assert table.expire() == [] and released == []
+    clock.advance(0.2)
+    assert table.expire() == ["r"] and released == [("r", "aborted")]
+
+
+def test_lease_expiry_during_a_window_waits_for_the_window():
+    # A producer stalled past its lease wakes inside a consumer's window: the blocks stay.
+    table, clock, released = make(lease=0.5)
+    table.hold("r", [0, 1], num_blocks=2)
+    table.claim("r", "d", [0, 1], window=3.0)
+    clock.advance(1.5)
+    assert table.expire() == [] and table.held("r")
+    assert table.counts().ending == 1 and table.counts().claimed == 1
+    assert table.done("r", "d")
+    assert released == [("r", "expired")]
+
+
+def test_window_is_capped_and_zero_means_the_lease():
+    clock = ManualClock()
+    table = LeaseTable(4.0, clock, max_window=60.0)
+    table.hold("r", [0], num_blocks=1)
+    assert table.claim("r", "d", [0], window=1e6).lease_remaining == 60.0
+    table.hold("s", [0], num_blocks=1)
+    assert table.claim("s", "d", [0]).lease_remaining == 4.0
+
+
+def test_rehold_inside_a_window_is_refused_and_changes_nothing():
+    table, _, _ = make()
+    table.hold("r", [0, 1], num_blocks=4)
+    table.claim("r", "d", [0, 1], window=5.0)
+    with pytest.raises(ConfigError, match="claim window"):
+        table.hold("r", [2, 3], num_blocks=4)
+    assert table.check_claimed("r", "d", [0, 1]) == ""
+
+
+@pytest.mark.parametrize("blocks", [[3.7], [1 << 63], [True], [[1, 2]], ["1"], [1, 1]])
+def test_hold_refuses_ids_that_are_not_distinct_integers(blocks):
+    table, _, _ = make()
+    with pytest.raises(BlockIdError):
+        table.hold("r", blocks, num_blocks=8)
+    assert len(table) == 0
+
+
+def test_counts_report_holds_blocks_claims_and_ending():
+    table, _, _ = make()
+    table.hold("a", [0, 1, 2], num_blocks=8)
+    table.hold("b", [3], num_blocks=8)
+    table.claim("b", "d", [3], window=1.0)
+    table.release("b")
+    c = table.counts()
+    assert (c.requests, c.blocks, c.claimed, c.ending) == (2, 4, 1, 1)
