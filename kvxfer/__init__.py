@@ -25,7 +25,7 @@ from kvxfer.errors import (
     TransferTimeoutError,
 )
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
-from kvxfer.types import Direction, MemKind
+from kvxfer.types import AbortOutcome, Direction, MemKind
 
 __version__ = "0.1.0"
 
@@ -41,6 +41,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AbortOutcome",
     "Agent",
     "AgentConfig",
     "AuthenticationError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["MemKind", "Region", "XferState", "Direction"]
+__all__ = ["AbortOutcome", "MemKind", "Region", "XferState", "Direction"]
 
 
 class MemKind(str, enum.Enum):
@@ -20,6 +20,30 @@ class Direction(str, enum.Enum):
 
     READ = "READ"
     WRITE = "WRITE"
+
+
+class AbortOutcome(str, enum.Enum):
+    """What ``Agent.abort`` achieved at the producer ranks it told (the worst one counts).
+
+    RELEASED: a producer released its hold. NOT_HELD: no producer held the request (already
+    released, expired or never held; or no producer was told). REFUSED: a producer refused
+    (its hold names other consumer engines). UNREACHABLE: a producer could not be reached even
+    after a fresh handshake; its hold ends with its lease.
+    """
+
+    RELEASED = "released"
+    NOT_HELD = "not_held"
+    REFUSED = "refused"
+    UNREACHABLE = "unreachable"
+
+    @classmethod
+    def combine(cls, outcomes) -> "AbortOutcome":
+        """One outcome for several ranks: unreachable, then refused, then released, else not held."""
+        seen = set(outcomes)
+        for worst in (cls.UNREACHABLE, cls.REFUSED, cls.RELEASED):
+            if worst in seen:
+                return worst
+        return cls.NOT_HELD
 
 
 class XferState(enum.Enum):

@@ -42,7 +42,7 @@ from kvxfer.protocol import (
 )
 from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.zmq import SideChannelServer
-from kvxfer.types import Direction, MemKind
+from kvxfer.types import AbortOutcome, Direction, MemKind
 
 __all__ = ["Agent", "Finished"]
 
@@ -267,28 +267,53 @@ class Agent:
         """Consumer side of WRITE: report ``request_id`` received after ``producers`` writes (default 1)."""
         self._reports.expect_writes(request_id, producers)
 
-    def abort(self, request_id: str, remote: tuple[str, int] | None = None) -> None:
+    def abort(self, request_id: str, remote: tuple[str, int] | None = None) -> AbortOutcome:
         """Consumer-side abort: cancel an in-flight read and tell the producer ranks to release.
 
         ``remote`` reaches a producer this agent has not claimed from yet (abort before read).
+        A lost session or a restarted producer gets one fresh handshake. Never raises for the
+        producer's state: returns what happened (``AbortOutcome``; the worst rank's outcome).
         """
         self._check_open()
         links = self._claims.pop(request_id, None)  # before cancelling: the handle's callback drops it
         if self._engine is not None:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
         if links is None and remote is not None:
-            links = [link for group in self._links_for(remote) for link in group]
-        for link in links or ():
             try:
-                link.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)
+                links = [link for group in self._links_for(remote) for link in group]
             except KvxferError as exc:
-                log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+                log.warning("abort of %r at %s:%s: %s", request_id, remote[0], remote[1], exc)
+                return AbortOutcome.UNREACHABLE
+        return AbortOutcome.combine([self._abort_at(link, request_id) for link in links or ()])
+
+    def _abort_at(self, link: PeerLink, request_id: str, same_engine: bool = False) -> AbortOutcome:
+        """Tell one producer rank to release ``request_id`` (``same_engine``: only the engine of
+        ``link``, e.g. undoing its own grant; a restarted one never granted it)."""
+        ask = lambda lk: lk.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)  # noqa: E731
+        try:
+            reply = self._peers.call(link.host, link.port, ask,
+                                     engine_id=link.engine_id if same_engine else None)
+        except KvxferError as exc:
+            log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+            return AbortOutcome.UNREACHABLE
+        if isinstance(reply, Refuse):
+            log.warning("abort of %r refused by %s: %s", request_id, link.engine_id, reply.reason)
+            return AbortOutcome.REFUSED
+        return AbortOutcome.RELEASED if getattr(reply, "released", True) else AbortOutcome.NOT_HELD
 
     def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> list[str]:
-        """Heartbeat: extend the producer's leases of requests still wanted; returns those gone."""
+        """Heartbeat: extend the producer's leases of requests still wanted; returns those gone.
+
+        A lost session or a restarted producer gets one fresh handshake.
+
+        Raises:
+            PeerLostError: a producer rank cannot be reached even after a fresh handshake.
+        """
         gone: list[str] = []
+        beat = Heartbeat(list(request_ids), self.engine_id)
         for link in [link for group in self._links_for(remote) for link in group]:
-            ack = link.ask(Heartbeat(list(request_ids), self.engine_id), self.config.handshake_timeout)
+            ack = self._peers.call(link.host, link.port,
+                                   lambda lk: lk.ask(beat, self.config.handshake_timeout))
             gone.extend(ack.gone)
         return sorted(set(gone))
 
@@ -401,10 +426,7 @@ class Agent:
 
     def _abort_links(self, request_id: str, links: list[PeerLink]) -> None:
         for link in links:
-            try:
-                link.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)
-            except KvxferError as exc:
-                log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+            self._abort_at(link, request_id, same_engine=True)
 
     def _notify_done(self, link: PeerLink, request_id: str) -> None:
         """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""

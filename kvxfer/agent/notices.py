@@ -48,7 +48,7 @@ class _Channel:
     """A side-channel session of its own to one producer rank, for notices only."""
 
     def __init__(self, link, timeout: float) -> None:
-        self.client = SideChannelClient(link.host, link.port)
+        self.client = SideChannelClient(link.host, link.port, max_bytes=link.session.codec.max_bytes)
         try:
             self.session = ClientSession(link.session.codec, link.session.local)
             peer = self.session.receive_welcome(self.client.request(self.session.start(), timeout))
@@ -96,7 +96,7 @@ class DoneSender:
                 if self._notify is not None and not knows_done(link.info):
                     self._notify(link, request_id)  # an older producer: the notification it expects
                     continue
-                reply = self._channel(link).ask(Done(request_id, self._engine_id), self._timeout)
+                reply = self._deliver(link, Done(request_id, self._engine_id))
                 if isinstance(reply, Refuse):
                     log.info("producer %s refused the done notice of %r: %s", link.engine_id, request_id,
                              reply.reason)
@@ -107,6 +107,15 @@ class DoneSender:
         for _, channel in self._channels.values():
             channel.client.close()
         self._channels.clear()
+
+    def _deliver(self, link, done: Done):
+        """Send ``done``; a lost session gets one fresh one (to the same engine only: a restarted
+        producer never served the read, so it must not count it)."""
+        try:
+            return self._channel(link).ask(done, self._timeout)
+        except PeerLostError:
+            self._forget(link)
+            return self._channel(link).ask(done, self._timeout)
 
     def _channel(self, link) -> _Channel:
         entry = self._channels.get(id(link))

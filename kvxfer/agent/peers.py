@@ -5,6 +5,12 @@ geometry, backend name, the plan from our cache to its cache (built once) and ho
 phase of its handshake took. A
 ``PeerDirectory`` caches links by (host, port) and re-handshakes when a peer restarted
 (same address, new engine id) so stale metadata is never used.
+
+Self-healing: a link whose session may be gone (its session is no longer ``ready``, its socket
+was replaced after a failed request, or its connection dropped since the handshake) is never
+handed out again: ``PeerDirectory.get`` handshakes afresh instead, and ``PeerDirectory.call``
+runs an operation once more on a fresh link when the first attempt lost the peer. So no failure
+can leave state that poisons later calls.
 """
 
 from __future__ import annotations
@@ -13,14 +19,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
-from kvxfer.errors import KvxferError, TransferTimeoutError
+from kvxfer.errors import KvxferError, PeerLostError, TransferTimeoutError
 from kvxfer.layout import CacheView, build_plan
 from kvxfer.protocol import ClientSession, Codec, PeerInfo
 from kvxfer.transport.zmq import SideChannelClient
 
 __all__ = ["PeerLink", "PeerDirectory", "PendingAnswer"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -41,6 +49,19 @@ class PeerLink:
     paths: dict = field(default_factory=dict)      # per-peer state of the GPU paths (IPC mapping)
     on_close: list = field(default_factory=list)   # called once on close (e.g. unmap the peer's cache)
     timings: dict = field(default_factory=dict)    # handshake phase -> seconds: hello, metadata, connect
+    generation: int = 0                            # the client's socket generation at the handshake
+    closed: bool = False
+
+    def healthy(self) -> bool:
+        """Whether this link's session can still be used: open, ready, on the socket it was
+        handshaken on, and no connection drop seen since (see ``SideChannelClient.stale``)."""
+        return (not self.closed and self.session.state == "ready"
+                and self.client.generation == self.generation and not self.client.stale())
+
+    def _check_ready(self) -> None:
+        if self.closed or self.session.state != "ready":
+            raise PeerLostError(f"link to {self.engine_id} at {self.host}:{self.port} lost its session "
+                                f"({'closed' if self.closed else self.session.state}): handshake again")
 
     @property
     def engine_id(self) -> str:
@@ -65,6 +86,7 @@ class PeerLink:
     def ask(self, message, timeout: float):
         """One request/response on the side channel. Raises PeerLostError when the peer is gone."""
         with self.lock:
+            self._check_ready()
             frame = self.session.request(message)
             reply = self.client.request(frame, timeout)
             return self.session.response(reply, message)
@@ -76,6 +98,7 @@ class PeerLink:
         if not self.lock.acquire(timeout=timeout):
             raise TransferTimeoutError(f"link to {self.engine_id}: another request held it for {timeout} s")
         try:
+            self._check_ready()
             pending = self.client.send(self.session.request(message), timeout)
         except BaseException:
             self.lock.release()
@@ -83,6 +106,7 @@ class PeerLink:
         return PendingAnswer(self, message, pending)
 
     def close(self) -> None:
+        self.closed = True
         self.client.close()
         closers, self.on_close = self.on_close, []
         for fn in closers:
@@ -131,9 +155,10 @@ class PeerDirectory:
         self._timeout = timeout
         self._connect = connect
         self._links: dict[tuple[str, int], PeerLink] = {}
+        self._gates: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def get(self, host: str, port: int, *, refresh: bool = False) -> PeerLink:
+    def get(self, host: str, port: int, *, refresh: bool = False, timeout: float | None = None) -> PeerLink:
         """The link to host:port, handshaking if new (or if ``refresh``).
 
         Raises:
@@ -143,15 +168,49 @@ class PeerDirectory:
         key = (host, int(port))
         with self._lock:
             link = self._links.get(key)
-        if link is not None and not refresh:
+            gate = self._gates.setdefault(key, threading.Lock())
+        if link is not None and not refresh and link.healthy():
             return link
-        new = self._handshake(host, int(port))
-        with self._lock:
-            old = self._links.get(key)
-            self._links[key] = new
+        with gate:  # one handshake per address at a time: concurrent callers share its link
+            with self._lock:
+                current = self._links.get(key)
+            if current is not None and current is not link and current.healthy():
+                return current  # another caller handshook while this one waited
+            new = self._handshake(host, int(port), timeout)
+            with self._lock:
+                old = self._links.get(key)
+                self._links[key] = new
         if old is not None:
             self._forget(old, replaced_by=new)
         return new
+
+    def call(self, host: str, port: int, op: Callable[[PeerLink], T], *, engine_id: str | None = None) -> T:
+        """``op(link)`` on the link to host:port; when that loses the peer (``PeerLostError``: the
+        session is gone, the peer restarted or dropped us), drop the link, handshake again and
+        run ``op`` once more on the fresh link.
+
+        Args:
+            engine_id: run ``op`` only on that engine: a peer that restarted since (another
+                engine id at host:port) raises ``PeerLostError`` instead (e.g. a ``Done`` for a
+                read the new engine never served).
+
+        Raises:
+            PeerLostError: nobody answers at host:port, the second attempt lost it too, or the
+                engine there is not ``engine_id``.
+            Whatever ``op`` raises otherwise.
+        """
+        for attempt in (1, 2):
+            link = self.get(host, port)
+            if engine_id is not None and link.engine_id != engine_id:
+                raise PeerLostError(f"{host}:{port} is now engine {link.engine_id}, not {engine_id} "
+                                    "(the peer restarted)")
+            try:
+                return op(link)
+            except PeerLostError:
+                self.drop(link)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def drop(self, link: PeerLink) -> None:
         """Forget a link (e.g. after the peer was lost)."""
@@ -168,12 +227,12 @@ class PeerDirectory:
             except KvxferError as exc:  # best effort: the peer is gone anyway
                 log.debug("removing peer %s: %s", link.agent_name, exc)
 
-    def _handshake(self, host: str, port: int) -> PeerLink:
+    def _handshake(self, host: str, port: int, timeout: float | None = None) -> PeerLink:
         started = time.perf_counter()
-        client = SideChannelClient(host, port)
+        client = SideChannelClient(host, port, max_bytes=self._codec.max_bytes)
         try:
             session = ClientSession(self._codec, self._local_info())
-            reply = client.request(session.start(), self._timeout)
+            reply = client.request(session.start(), timeout or self._timeout)
             info = session.receive_welcome(reply)  # validates the peer's spec and geometry
             welcomed = time.perf_counter()
             agent_name = self._add_peer(info.backend_metadata)
@@ -191,7 +250,7 @@ class PeerDirectory:
                  spec.layout.value, spec.storage.value, timings["hello"] * 1e3, timings["metadata"] * 1e3,
                  timings["connect"] * 1e3)
         return PeerLink(host, port, info, CacheView(spec, session.peer_geometry), agent_name, client, session,
-                        timings=timings)
+                        timings=timings, generation=client.generation)
 
     def links(self) -> list[PeerLink]:
         with self._lock:

@@ -47,7 +47,8 @@ class ProducerService:
                 expected = expected_notifications(self._agent.spec, consumer_tp)
             except KvxferError as exc:
                 return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
-            result = leases.claim(message.request_id, message.engine_id, message.block_ids, expected)
+            result = leases.claim(message.request_id, message.engine_id, message.block_ids, expected,
+                                  window=message.window)
             if not result.granted:
                 log.info("refused claim of %r by %s: %s", message.request_id, message.engine_id, result.reason)
                 return Refuse(message.request_id, result.reason)
@@ -56,8 +57,7 @@ class ProducerService:
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
-            leases.release(message.request_id, "aborted")
-            return Ack()
+            return Ack(released=leases.release(message.request_id, "aborted"))
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
             leases.done(message.request_id, message.engine_id)
             return Ack()

@@ -208,7 +208,13 @@ class Abort(_Msg, frozen=True):
 
 
 class Ack(_Msg, frozen=True):
-    """Producer -> consumer: the message was applied."""
+    """Producer -> consumer: the message was applied.
+
+    ``released`` (appended): to an ``Abort``, whether a hold was released (False: the request
+    was not held). Older producers leave it at True.
+    """
+
+    released: bool = True
 
 
 class PackRequest(_Msg, frozen=True):

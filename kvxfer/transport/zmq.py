@@ -210,7 +210,23 @@ class SideChannelClient:
         self._monitor: zmq.Socket | None = None
         self._connected = False
         self._dropped = False
+        self._ever_dropped = False  # sticky until the socket is replaced: see ``stale``
         self._closed = False
+        self.generation = 0  # bumped whenever the socket (and so our identity at the server) is replaced
+
+    def stale(self) -> bool:
+        """Whether a session handshaken on this client may be gone at the server: its socket was
+        replaced (a new identity the server never saw) or its connection dropped since (the peer
+        may have restarted; ZMQ reconnects silently). Never blocks; False before the first request."""
+        if self._closed:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False  # a request is in flight: it will find out itself
+        try:
+            self._drain_monitor()
+            return self._ever_dropped
+        finally:
+            self._lock.release()
 
     def _ensure(self) -> zmq.Socket:
         if self._sock is None:
@@ -238,6 +254,7 @@ class SideChannelClient:
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self._dropped = self._dropped or self._connected
+                self._ever_dropped = self._ever_dropped or self._connected
                 self._connected = False
 
     def _reset(self) -> None:
@@ -249,8 +266,10 @@ class SideChannelClient:
             self._sock.close(linger=0)
         if self._monitor is not None:
             self._monitor.close(linger=0)
+        if self._sock is not None or self._monitor is not None:
+            self.generation += 1
         self._sock = self._monitor = None
-        self._connected = self._dropped = False
+        self._connected = self._dropped = self._ever_dropped = False
 
     def request(self, frame: bytes, timeout: float) -> bytes:
         """Send ``frame`` and return the reply frame, within ``timeout`` seconds.

@@ -1,0 +1,121 @@
+"""Helpers for the side-channel tests: producer ranks in their own processes over real NIXL + ZMQ.
+
+``Peer`` runs one producer rank in a spawned process (``kvxfer.testing.ProducerProcess``) that
+answers, besides ``serve_commands``' own commands: ``engine_id``, ``rss`` (its resident set in
+bytes), ``stderr`` (bytes written to its stderr so far, when ``stderr_path`` redirects it),
+``counters`` (the side-channel server's counters), ``holding`` (every request it holds) and
+``("hold", rid, engine)`` (hold ``rid`` of ``HOLD_BLOCKS`` for the consumer engine named ``engine``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from kvxfer import Agent, AgentConfig, KVSpec
+from kvxfer.testing import ProducerProcess, free_port_block
+
+COMMON = dict(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=48,
+              dtype="bfloat16", model="sctest")
+HOLD_BLOCKS = [3, 9, 10, 27]
+
+
+def cache_for(spec: KVSpec, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in spec.tensor_shapes()]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _serve(agent, holds: dict, cmd, out, commands: dict) -> None:
+    """``serve_commands`` plus ``("hold", rid, engine)``: hold ``rid`` for that consumer engine."""
+    known = set(holds)
+    for rid, blocks in holds.items():
+        agent.hold(rid, blocks)
+    out.put(("ready", agent.address))
+    while True:
+        what = cmd.get(timeout=300)
+        if what == "stop":
+            return
+        if isinstance(what, tuple) and what[0] == "hold":
+            agent.hold(what[1], HOLD_BLOCKS, consumer_engines=[what[2]])
+            known.add(what[1])
+            out.put(True)
+        elif what == "holding":
+            out.put(sorted(rid for rid in known if agent.holding(rid)))
+        else:
+            out.put(commands[what](agent))
+
+
+def _producer(cmd, out, seed: int, host: str, port: int, holds: dict, cfg: dict,
+              stderr_path: str | None = None, netns: str | None = None) -> None:
+    if netns is not None:
+        from kvxfer.bench.hosts import Host
+
+        Host(netns, host, "").enter()
+    if stderr_path is not None:
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    spec = KVSpec(**COMMON)
+    config = AgentConfig(side_channel_host=host, side_channel_port=port, nixl_progress_thread=False, **cfg)
+    with Agent("producer", spec, config) as agent:
+        agent.register(cache_for(spec, seed))
+        agent.listen()
+        _serve(agent, holds, cmd, out, dict(
+            engine_id=lambda a: a.engine_id,
+            finished=lambda a: (lambda fin: (sorted(fin.sent), sorted(fin.expired)))(a.finished()),
+            rss=lambda a: _rss(),
+            stderr=lambda a: os.fstat(2).st_size if stderr_path else 0,
+            counters=lambda a: a._server.counters(),
+        ))
+
+
+class Peer(ProducerProcess):
+    """A producer rank in a spawned process (see the module docstring)."""
+
+    def __init__(self, seed: int, port: int, holds: dict, *, host: str = "127.0.0.1",
+                 stderr_path: str | None = None, netns: str | None = None, **cfg) -> None:
+        super().__init__(_producer, seed, host, port, holds, cfg, stderr_path, netns)
+
+    def ask(self, what: str, timeout: float = 60.0):
+        return super().ask(what, timeout)
+
+
+def consumer(name: str = "consumer", seed: int = 99, **cfg) -> tuple[Agent, list[np.ndarray]]:
+    """A consumer agent in this process (real NIXL), not listening."""
+    cfg.setdefault("side_channel_host", "127.0.0.1")
+    cfg.setdefault("side_channel_port", free_port_block(1))
+    cfg.setdefault("nixl_progress_thread", False)
+    spec = KVSpec(**COMMON)
+    agent = Agent(name, spec, AgentConfig(**cfg))
+    cache = cache_for(spec, seed)
+    agent.register(cache)
+    return agent, cache
+
+
+def assert_read(cache, dst, seed: int, src) -> None:
+    """The consumer's ``dst`` blocks hold the producer (of ``seed``)'s ``src`` blocks, byte for byte."""
+    want = cache_for(KVSpec(**COMMON), seed)
+    for layer in range(len(cache)):
+        np.testing.assert_array_equal(cache[layer][:, dst], want[layer][:, src])
+
+
+def poll(fn, want, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    got = fn()
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = fn()
+    return got
