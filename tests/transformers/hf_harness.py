@@ -1,0 +1,64 @@
+"""Harness for ``kvxfer-hf serve`` processes in tests: reuses tests/vllm/vllm_harness.py's server, client and proxy.
+
+``HFServer`` is a ``VllmServer`` whose command is ``python -m kvxfer_transformers serve``: the
+same health wait, log file, process-group stop and token-id client. Each server is bound to
+CPU cores as the vLLM harness binds vLLM (here with ``sched_setaffinity`` and one torch thread).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
+
+from vllm_harness import (  # noqa: E402  (re-exported for the test modules)
+    SERVED_NAME, Client, Completion, ProxyServer, RequestFailed, VllmServer, free_port, make_tiny_model,
+    post_json, prefill, prompt_of, route_pd, run_concurrently, start_all,
+)
+
+__all__ = ["SERVED_NAME", "Client", "Completion", "HFServer", "ProxyServer", "RequestFailed", "VllmServer",
+           "free_port", "hf_config", "make_tiny_model", "post_json", "prefill", "prompt_of", "quiet_env",
+           "route_pd", "run_concurrently", "start_all"]
+
+#: NIXL's progress thread spins a core per agent even when idle (docs/api.md); on 2 shared cores
+#: every server in these tests runs without it.
+QUIET = {"KVXFER_NIXL_PROGRESS_THREAD": "0"}
+
+
+def quiet_env(side_port: int) -> dict[str, str]:
+    """Environment of a server whose side channel listens at 127.0.0.1:side_port."""
+    return {**QUIET, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
+
+
+def hf_config(policy: str = "fail", role: str = "kv_both", **extra: Any) -> str:
+    """A --kv-transfer-config JSON for kvxfer-hf (vLLM's keys)."""
+    return json.dumps({"kv_connector": "KvxferConnector", "kv_role": role, "kv_load_failure_policy": policy,
+                       "kv_connector_extra_config": {"transfer_timeout": 60}, **extra})
+
+
+@dataclass
+class HFServer(VllmServer):
+    """One ``kvxfer-hf serve`` process (``cpu_bind``: comma-separated cores; ``args``: extra CLI flags)."""
+
+    def start(self) -> "HFServer":
+        if not self.port:
+            self.port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.env)
+        cores = {int(c) for c in self.cpu_bind.split(",") if c.strip()} & os.sched_getaffinity(0)
+        cmd = [sys.executable, "-m", "kvxfer_transformers", "serve", str(self.model), "--host", "127.0.0.1",
+               "--port", str(self.port), "--served-model-name", SERVED_NAME, "--threads", "1", "--max-model-len", "2048",
+               "--log-level", "warning", *self.args]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        return self
