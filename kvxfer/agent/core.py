@@ -128,7 +128,10 @@ class Agent:
         host, port = side_channel_address(
             self.config.side_channel_host, self.config.side_channel_port,
             dp_rank=self.config.dp_rank, tp_rank=self.spec.tp_rank, tp_size=self.spec.tp_size)
-        self._server = SideChannelServer(host, port, self._service.make_session)
+        self._server = SideChannelServer(host, port, self._service.make_session,
+                                         max_bytes=self.config.max_message_bytes,
+                                         pinned=self._service.pinned,
+                                         authenticated=self._codec.authenticated)
         self._address = self._server.start()
         log.info("agent %s listening on %s:%d", self.engine_id, *self._address)
         return self._address

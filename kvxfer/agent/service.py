@@ -8,6 +8,7 @@ out of here: bad requests get a ``Refuse`` and change nothing.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 from kvxfer.errors import KvxferError
@@ -29,6 +30,33 @@ class ProducerService:
 
     def __init__(self, agent: "Agent") -> None:
         self._agent = agent
+        self._granted: dict[str, set[str]] = {}   # consumer engine id -> request ids granted to it
+        self._lock = threading.Lock()
+
+    def pinned(self, session: ServerSession) -> bool:
+        """Whether ``session``'s consumer has claims in flight here: a request granted to it is
+        still held. The transport never evicts such a session."""
+        peer = session.peer
+        if peer is None:
+            return False
+        with self._lock:
+            granted = self._granted.get(peer.engine_id)
+            if not granted:
+                return False
+            granted &= {rid for rid in granted if self._agent._leases.held(rid)}
+            if not granted:
+                del self._granted[peer.engine_id]
+            return bool(granted)
+
+    def _note_grant(self, engine_id: str, request_id: str) -> None:
+        leases = self._agent._leases
+        with self._lock:
+            self._granted.setdefault(engine_id, set()).add(request_id)
+            if sum(map(len, self._granted.values())) > 2 * len(leases) + 64:  # forget released ones
+                for engine in list(self._granted):
+                    self._granted[engine] = {rid for rid in self._granted[engine] if leases.held(rid)}
+                    if not self._granted[engine]:
+                        del self._granted[engine]
 
     def make_session(self) -> ServerSession:
         """A fresh server session for a new client identity (called by the transport)."""
@@ -52,6 +80,7 @@ class ProducerService:
             if not result.granted:
                 log.info("refused claim of %r by %s: %s", message.request_id, message.engine_id, result.reason)
                 return Refuse(message.request_id, result.reason)
+            self._note_grant(message.engine_id, message.request_id)
             return Grant(message.request_id, result.lease_remaining)
         if isinstance(message, Heartbeat):
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)

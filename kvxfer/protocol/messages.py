@@ -33,6 +33,8 @@ __all__ = [
     "HeartbeatAck",
     "Hello",
     "IpcWire",
+    "MAX_BACKEND_METADATA",
+    "MAX_LAYERS",
     "Message",
     "PackReady",
     "PackRequest",
@@ -54,7 +56,7 @@ __all__ = [
 PROTOCOL_VERSION = 1
 
 #: Codes a ``Reject`` may carry. A peer may send a code not listed (a newer peer); treat it as "unknown".
-REJECT_CODES = frozenset({"version", "model", "auth", "malformed", "state", "unknown"})
+REJECT_CODES = frozenset({"version", "model", "auth", "malformed", "state", "busy", "unknown"})
 
 # Bounded scalar types: ids and free text are short; ints fit uint64 / int64 as on the wire.
 Id = Annotated[str, Meta(min_length=1, max_length=1024)]
@@ -82,9 +84,16 @@ class SpecWire(msgspec.Struct, frozen=True):
     model: Annotated[str, Meta(max_length=1024)] = ""
 
 
-#: Bounds of the optional GPU-path fields of ``PeerInfo``.
+#: Bounds of ``PeerInfo`` (a Hello is accepted before anything else is known about its sender, so
+#: every field is bounded well below the frame limit). ``MAX_LAYERS``: rows of ``bases`` and of the
+#: IPC tables (each row is one layer's K and V, at most 2 entries). ``MAX_BACKEND_METADATA``: NIXL
+#: UCX metadata measured 496 B with 2 registered regions, 11.7 KB with 256 and 45 KB with 1024
+#: (about 44 B a region, host memory; GPU regions carry larger keys): 512 KiB leaves a wide margin.
+MAX_LAYERS = 4096
+MAX_BACKEND_METADATA = 512 << 10
 MAX_IPC_HANDLES = 4096
-MAX_REGIONS = 1 << 16
+MAX_REGIONS = MAX_LAYERS
+_Row = Annotated[list[U64], Meta(max_length=2)]
 
 
 class IpcWire(msgspec.Struct, frozen=True):
@@ -94,8 +103,8 @@ class IpcWire(msgspec.Struct, frozen=True):
     device: NonNeg
     handles: Annotated[list[Annotated[bytes, Meta(min_length=64, max_length=64)]],
                        Meta(min_length=1, max_length=MAX_IPC_HANDLES)]
-    alloc_index: Annotated[list[list[NonNeg]], Meta(max_length=MAX_REGIONS)]
-    offsets: Annotated[list[list[U64]], Meta(max_length=MAX_REGIONS)]
+    alloc_index: Annotated[list[Annotated[list[NonNeg], Meta(max_length=2)]], Meta(max_length=MAX_REGIONS)]
+    offsets: Annotated[list[_Row], Meta(max_length=MAX_REGIONS)]
 
 
 class StagingWire(msgspec.Struct, frozen=True):
@@ -123,10 +132,10 @@ class PeerInfo(msgspec.Struct, frozen=True):
     engine_id: Id
     agent_name: Id
     spec: SpecWire
-    bases: list[list[U64]]
+    bases: Annotated[list[_Row], Meta(max_length=MAX_LAYERS)]
     device: NonNeg
     mem_kind: Annotated[str, Meta(max_length=8)]
-    backend_metadata: bytes
+    backend_metadata: Annotated[bytes, Meta(max_length=MAX_BACKEND_METADATA)]
     listen_host: Annotated[str, Meta(max_length=255)] = ""
     listen_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     lease_timeout: Seconds = 480.0

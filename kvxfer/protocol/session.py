@@ -203,6 +203,7 @@ class ServerSession:
         peer: the client's ``PeerInfo`` once handshaken; ``peer_spec``/``peer_geometry`` validated.
         restarted: the latest Hello replaced a peer with another ``engine_id``.
         rejected: how many frames were answered with a Reject (for metrics and tests).
+        last_reject: ``(code, detail)`` of the latest Reject (for the transport's rate-limited log).
     """
 
     def __init__(self, codec: Codec, local: PeerInfo, on_request: Callable[[Message], Message]):
@@ -216,6 +217,7 @@ class ServerSession:
         self.peer_geometry = None
         self.restarted = False
         self.rejected = 0
+        self.last_reject: tuple[str, str] = ("", "")
 
     def receive(self, frame: bytes) -> bytes:
         """Handle one frame from the client; returns the reply frame. Never raises for peer input."""
@@ -241,10 +243,18 @@ class ServerSession:
         return "version" if version != PROTOCOL_VERSION else "model"
 
     def _reject(self, code: str, why: object) -> bytes:
+        # Not logged here: the transport counts rejections and rate-limits their log lines, so
+        # hostile input cannot flood the log (see kvxfer.transport.sessions.LogLimiter).
         self.rejected += 1
-        detail = str(why)[:4000]
-        log.warning("side channel: rejected a frame (%s): %s", code, detail)
+        detail = str(why)[:1000]
+        self.last_reject = (code, detail)
         return self.codec.encode(Reject(code=code, detail=detail))
+
+    def refuse_busy(self, why: str) -> bytes:
+        """A ``Reject('busy')`` frame: the transport keeps no session for this client now (its
+        table is full of sessions it may not evict). Resets the session to ``awaiting_hello``."""
+        self.state, self.peer = "awaiting_hello", None
+        return self._reject("busy", why)
 
     def _on_hello(self, msg: Hello) -> bytes:
         try:

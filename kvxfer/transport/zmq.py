@@ -7,12 +7,12 @@ the client is used under a lock, one request in flight at a time, each with a de
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable
 
 import zmq
@@ -26,8 +26,9 @@ from kvxfer.errors import (
     TransferTimeoutError,
 )
 from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession
+from kvxfer.transport.sessions import LogLimiter, SessionTable
 
-__all__ = ["PendingReply", "SideChannelClient", "SideChannelServer"]
+__all__ = ["PendingReply", "SideChannelClient", "SideChannelServer", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -63,28 +64,41 @@ class SideChannelServer:
 
     Each client identity gets its own ``ServerSession`` from ``make_session``. A session is
     kept only once its client has completed a handshake, so hostile frames from new
-    identities leave the table untouched; at most ``max_clients`` handshaken sessions are
-    kept (the least recently used is dropped and must handshake again).
+    identities leave the table untouched. Kept sessions are bounded (``SessionTable``: per
+    client address and in all; Hello-only and idle sessions are evicted first, never a
+    ``pinned`` one) and dropped as soon as their connection closes (the socket monitor's
+    DISCONNECTED event names the connection's socket), so their memory is returned. ZMQ itself drops a connection that sends a frame over ``max_bytes``.
+    Rejected frames are counted by reason and logged at most once per reason per ``log_interval``.
 
     Args:
         host, port: where to listen; port 0 picks an ephemeral port.
         make_session: builds a fresh ``ServerSession``.
-        max_bytes: largest frame the socket accepts; ZMQ drops a connection that sends more.
-        max_clients: handshaken sessions kept.
+        max_bytes: largest frame the socket accepts.
+        max_clients: handshaken sessions kept in all.
+        per_address: handshaken sessions kept per client IP address.
+        pinned: sessions it returns True for are never evicted (e.g. claims in flight).
+        authenticated: whether frames carry an HMAC (``Codec.authenticated``); ``False`` on a
+            non-loopback address logs one warning at ``start``. ``None``: unknown, no warning.
+        log_interval: seconds between two log lines of one rejection reason.
     """
 
     def __init__(self, host: str, port: int, make_session: Callable[[], ServerSession],
-                 max_bytes: int = DEFAULT_MAX_BYTES, max_clients: int = 4096):
+                 max_bytes: int = DEFAULT_MAX_BYTES, max_clients: int = 4096, per_address: int = 256,
+                 pinned: Callable[[ServerSession], bool] | None = None,
+                 authenticated: bool | None = None, log_interval: float = 10.0):
         _endpoint(host, _check_port(port))
         self.host, self.port = host, port
         self._make_session = make_session
         self._max_bytes = max_bytes
-        self._max_clients = max_clients
-        self._sessions: OrderedDict[bytes, ServerSession] = OrderedDict()
+        self._table = SessionTable(max_clients, per_address, pinned)
+        self._limiter = LogLimiter(log, log_interval)
+        self._authenticated = authenticated
+        self._frames = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._closed = False
 
     def start(self) -> tuple[str, int]:
@@ -113,65 +127,117 @@ class SideChannelServer:
             ) from None
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(bound.rsplit(":", 1)[1])
+        address = f"inproc://kvxfer-server-monitor-{next(_monitor_ids)}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        self._monitor = _shared_context().socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
         self._sock = sock
         self._thread = threading.Thread(
             target=self._serve, name=f"kvxfer-side-channel:{self.port}", daemon=True
         )
         self._thread.start()
         log.info("side channel listening on %s", bound)
+        if self._authenticated is False and not is_loopback(self.host):
+            log.warning(
+                "side channel listening on %s without a shared key: anyone who can reach this address "
+                "may handshake, claim, heartbeat or abort requests; set AgentConfig.auth_key (env "
+                "KVXFER_AUTH_KEY) on every agent. The key authenticates side-channel frames only, "
+                "not NIXL's data path", bound)
         return self.host, self.port
 
     def peers(self) -> list[PeerInfo]:
         """PeerInfo of every handshaken client, most recently active last."""
         with self._lock:
-            return [s.peer for s in self._sessions.values() if s.peer is not None]
+            return [s.peer for s in self._table.sessions() if s.peer is not None]
+
+    def counters(self) -> dict:
+        """Counts for metrics: ``sessions`` kept now, ``frames`` received, ``rejected`` frames by
+        reason (a ``Reject`` code, or ``parts`` for a message of the wrong shape), sessions
+        ``evicted``, ``refused`` (table full of pinned sessions) and ``disconnected``."""
+        with self._lock:
+            return {"sessions": len(self._table), "frames": self._frames,
+                    "rejected": dict(self._limiter.counts), "evicted": self._table.evicted,
+                    "refused": self._table.refused, "disconnected": self._table.disconnected}
 
     def _serve(self) -> None:
-        sock = self._sock
+        sock, monitor = self._sock, self._monitor
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 if not poller.poll(_POLL_MS):
                     continue
+                # Disconnects first: a socket number may be reused by the next connection.
+                self._drain_disconnects(monitor)
                 while True:  # drain everything that is ready
                     try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._handle(sock, parts)
         except Exception:  # the listener dying silently would strand every client
             log.exception("side channel server on port %s stopped", self.port)
         finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
             sock.close(linger=0)
+            monitor.close(linger=0)
 
-    def _handle(self, sock: zmq.Socket, parts: list[bytes]) -> None:
+    def _drain_disconnects(self, monitor: zmq.Socket) -> None:
+        """Forget the sessions of every connection that closed (their memory is returned)."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                with self._lock:
+                    self._table.disconnect(int(event["value"]))
+
+    def _handle(self, sock: zmq.Socket, frames: list) -> None:
+        """Answer one message; keep the session once it has handshaken (see the class docstring)."""
+        parts = [f.bytes for f in frames]
+        identity = parts[0]
+        with self._lock:
+            self._frames += 1
         if len(parts) == 2:          # DEALER client: [identity, frame]
             envelope, frame = parts[:1], parts[1]
         elif len(parts) == 3 and parts[1] == b"":  # REQ client: [identity, b"", frame]
             envelope, frame = parts[:2], parts[2]
         else:
-            log.warning("side channel: dropped a message of %d parts", len(parts))
+            self._rejected("parts", f"dropped a message of {len(parts)} parts")
             return
-        identity = parts[0]
         with self._lock:
-            session = self._sessions.get(identity)
-            if session is not None:
-                self._sessions.move_to_end(identity)
+            session = self._table.get(identity)
         fresh = session is None
         if fresh:
             session = self._make_session()
+        before = session.rejected
         reply = session.receive(frame)
+        if session.rejected != before:
+            self._rejected(session.last_reject[0], session.last_reject[1])
         if fresh and session.state == "ready":
+            address, fd = _peer_of(frames[-1])
             with self._lock:
-                self._sessions[identity] = session
-                while len(self._sessions) > self._max_clients:
-                    dropped, _ = self._sessions.popitem(last=False)
-                    log.info("side channel: dropped the least recent session %r", dropped)
+                kept = self._table.add(identity, address, session, fd)
+            if not kept:
+                reply = session.refuse_busy("every session this server may keep is in use")
+                self._rejected("busy", "a handshake was refused: every session is pinned by claims in flight")
+        elif not fresh:
+            with self._lock:
+                self._table.touch(identity, request=session.state == "ready" and session.rejected == before)
         try:
             sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client went away or its queue is full
-            log.warning("side channel: reply to %r not sent: %s", identity, exc)
+            self._rejected("unsent", f"reply not sent: {exc}")
+
+    def _rejected(self, reason: str, detail: str) -> None:
+        with self._lock:
+            self._limiter.event(reason, detail)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop serving and join the thread (waits at most ``timeout`` s); idempotent."""
@@ -189,6 +255,25 @@ class SideChannelServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _peer_of(frame) -> tuple[str, int]:
+    """The client's IP address and our socket's number for its connection, as ZMQ reports them
+    for a received frame (``""`` and -1 when it cannot tell)."""
+    try:
+        return frame.get("Peer-Address") or "", int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return "", -1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (``0.0.0.0`` and ``::`` are not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class SideChannelClient:

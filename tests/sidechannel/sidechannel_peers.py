@@ -119,3 +119,44 @@ def poll(fn, want, timeout: float = 10.0):
         time.sleep(0.05)
         got = fn()
     return got
+
+
+# ---- hostile clients ------------------------------------------------------------------------
+
+def hello_frame(engine_id: str, metadata: bytes = b"md", spec: KVSpec | None = None) -> bytes:
+    """A valid keyless Hello frame (the producer's model) announcing ``engine_id``."""
+    from kvxfer.layout.spec import CacheGeometry
+    from kvxfer.protocol import Codec, Hello, compat_hash, make_peer_info
+
+    spec = spec or KVSpec(**COMMON)
+    info = make_peer_info(engine_id, "flood-" + engine_id, spec, CacheGeometry.contiguous(spec, 1 << 30), metadata)
+    return Codec(compat_hash(spec), max_bytes=8 << 20).encode(Hello(info))
+
+
+def send_hellos(address, frames, window: int = 300, timeout: float = 10.0) -> int:
+    """Send each frame of ``frames`` from a fresh DEALER socket (a new client identity) and wait
+    for its reply; at most ``window`` sockets stay open (the oldest closes first). Returns how many
+    replies came back."""
+    import collections
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    open_socks: collections.deque = collections.deque()
+    replies = 0
+    try:
+        for frame in frames:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{address[0]}:{address[1]}")
+            sock.send(frame)
+            if sock.poll(int(timeout * 1000)):
+                sock.recv()
+                replies += 1
+            open_socks.append(sock)
+            while len(open_socks) > window:
+                open_socks.popleft().close(0)
+    finally:
+        while open_socks:
+            open_socks.popleft().close(0)
+    return replies
