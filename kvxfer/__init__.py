@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The Agent pulls in the side channel (zmq) and the protocol; load it on first use so
     # `import kvxfer` stays light for tools that only need specs, errors or the proxy.
-    if name in ("Agent", "Finished"):
+    if name in ("Agent", "AgentStats", "Finished"):
         from kvxfer import agent
 
         return getattr(agent, name)
@@ -44,6 +44,7 @@ __all__ = [
     "AbortOutcome",
     "Agent",
     "AgentConfig",
+    "AgentStats",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",

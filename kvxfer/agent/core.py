@@ -22,7 +22,7 @@ from kvxfer.agent.packing import PackServer
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reading import plan_read
-from kvxfer.agent.reports import Finished, Reports
+from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
@@ -32,9 +32,11 @@ from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.engine.transfers import Part, TransferEngine
 from kvxfer.errors import (
-    BlockIdError, ClosedError, KvxferError, LeaseExpiredError, PeerLostError, RegistrationError,
+    ClosedError, ConfigError, KvxferError, LeaseExpiredError, PeerLostError, RegistrationError,
+    TransferTimeoutError,
 )
-from kvxfer.layout import CacheView, KVSpec, notify_ranks, peer_ranks
+from kvxfer.layout import CacheView, KVSpec, build_plan, notify_ranks, peer_ranks
+from kvxfer.layout.request import check_block_ids
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
     Abort, Claim, Codec, Grant, Heartbeat, Refuse, compat_hash, decode_notification,
@@ -47,6 +49,8 @@ from kvxfer.types import AbortOutcome, Direction, MemKind
 __all__ = ["Agent", "Finished"]
 
 log = logging.getLogger("kvxfer.agent")
+
+_MAX_BLOCK_ID = (1 << 63) - 1  # remote ids are checked against the peer's cache by the plan
 
 
 class Agent:
@@ -117,7 +121,8 @@ class Agent:
         self._kit = PathKit(self._backend, self.config, self._view)
         self._packer = PackServer(self._kit, self._view, self._leases, self.config.lease_timeout)
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
-                                      staging_base=base, staging=staging, unpack=self._unpack)
+                                      staging_base=base, staging=staging, unpack=self._unpack,
+                                      on_reclaimed=self._reports.reclaimed)
 
     def listen(self) -> tuple[str, int]:
         """Start the side-channel listener; returns the bound (host, port). Idempotent."""
@@ -176,27 +181,42 @@ class Agent:
         ``remote`` is the remote instance's rank-0 side-channel address (its base port for
         its DP rank); kvxfer contacts every remote TP rank this rank needs heads from.
 
-        Raises (at once): PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError,
-        LeaseExpiredError (the producer no longer holds the request). Errors during the
-        transfer surface from the handle. On the same-host IPC path the kernel starts before
-        the claim's answer (the round trip overlaps it): when the claim is refused, the
+        ``timeout`` (default ``config.transfer_timeout``) bounds the whole read, handshake and
+        claim included; it is also the transfer window the claim asks the producer for. The
+        handle succeeds only if every byte arrived inside that window, so the producer's blocks
+        were still held: exactly the bytes held, or a typed error. A failed read's handle ends
+        once its transfers have ended (no byte lands afterwards), or its blocks are reported
+        quarantined (``stats().quarantined_blocks``, ``finished().reclaimed``).
+
+        Raises (at once): PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError (ids
+        that are not distinct integers in range, or a quarantined destination), LeaseExpiredError
+        (the producer no longer holds the request), TransferTimeoutError (no time left). Errors
+        during the transfer surface from the handle. On the same-host IPC path the kernel starts
+        before the claim's answer (the round trip overlaps it): when the claim is refused, the
         destination ``local_blocks`` may have been written; nothing else is.
         """
         started = time.perf_counter()
         self._check_open()
         view = self._require_cache()
-        local = _ids(local_blocks, self.spec.num_blocks, "local")
-        remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
-        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         timeout = self.config.transfer_timeout if timeout is None else timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
+        # The read's window starts now, before any claim is sent: the producer counts the same
+        # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
+        deadline = None if timeout is None else self._clock.now() + timeout
+        local = check_block_ids("local", local_blocks, self.spec.num_blocks)
+        remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
+        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         parts: list = []
         for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
-            links, notify_only = self._links_for(remote)
+            links, notify_only = self._links_for(remote, self._time_left(deadline, request_id))
             try:
                 route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
                                   request_id, note, self.config.allow_conversion)
                 claim_started = time.perf_counter()
-                sent = self._claim_send(request_id, remote_ids, links + notify_only)
+                sent = self._claim_send(request_id, remote_ids, links + notify_only,
+                                        window=self._time_left(deadline, request_id, cap=None))
                 try:
                     if route.mode == "ipc":
                         # Launch while the claim travels, so its round trip overlaps the kernel. The
@@ -216,18 +236,21 @@ class Agent:
                     raise
                 for link in links + notify_only:
                     self._peers.drop(link)
-                if attempt == 2:
+                if attempt == 2 or (deadline is not None and self._clock.now() >= deadline):
                     raise
         on_success = None
-        if notify_only:  # replicas we depend on but do not read from: tell them we are done too
-            on_success = lambda: [self._done.send(link, request_id) for link in notify_only]  # noqa: E731
+        done_links = list(notify_only)
+        if route.chunked:  # no chunk's NIXL notification tells the producer: the last Done does
+            done_links += route.links
+        if done_links:  # replicas we depend on but did not read from, and chunked reads: tell them
+            on_success = lambda: [self._done.send(link, request_id) for link in done_links]  # noqa: E731
         try:
             if not parts:
                 parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
             for link, part in zip(route.links, parts):
                 if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
                     part.on_done = partial(self._done.send, link, request_id)
-            handle = self._engine.submit(request_id, Direction.READ, parts, timeout=timeout,
+            handle = self._engine.submit(request_id, Direction.READ, parts, deadline=deadline, blocks=local,
                                          on_success=on_success,
                                          mode=None if route.mode == "direct" else route.mode,
                                          setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
@@ -239,25 +262,39 @@ class Agent:
         self._wake.set()
         return handle
 
+    def _time_left(self, deadline: float | None, request_id: str, cap: float | None = -1.0) -> float:
+        """Seconds left of a read's window, capped by the handshake timeout (``cap=None``: uncapped,
+        0 meaning no window). Raises TransferTimeoutError when none is left."""
+        limit = self.config.handshake_timeout if cap == -1.0 else cap
+        if deadline is None:
+            return limit if limit is not None else 0.0
+        left = deadline - self._clock.now()
+        if left <= 0:
+            raise TransferTimeoutError(f"read of {request_id!r}: its timeout passed before the transfer started")
+        return left if limit is None else min(left, limit)
+
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
               timeout: float | None = None) -> TransferHandle:
         """Push this producer rank's ``local_blocks`` into a consumer instance's ``remote_blocks``.
 
         Every consumer rank that needs heads this rank holds is written; the consumer's
         ``finished().received`` reports the request once the writes it expects arrived
-        (see ``expect_writes``). Only direct (byte-range) plans can be written.
+        (see ``expect_writes``). A write always moves byte ranges (no staging step): layouts
+        that match only in small pieces (NHD with a TP change) are written piece by piece.
         """
         self._check_open()
         view = self._require_cache()
-        local = _ids(local_blocks, self.spec.num_blocks, "local")
-        remote_ids = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+        local = check_block_ids("local", local_blocks, self.spec.num_blocks)
+        remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
         head = self._peers.get(*remote)
         parts = []
         for rank in range(head.spec.tp_size):
             link = head if rank == head.spec.tp_rank else self._peers.get(remote[0], _rank_port(head, rank))
             if self.spec.tp_rank not in peer_ranks(link.spec, self.spec.tp_size):
                 continue
-            plan = link.plan(view, allow_conversion=False, reverse=True)
+            plan = link.plans.get("write")
+            if plan is None:  # a write has no staging step: byte ranges, however small the pieces
+                plan = link.plans["write"] = build_plan(link.view, view, allow_conversion=False, mode="direct")
             req = plan.for_request(remote_ids, local)
             note = encode_notification(request_id, self.engine_id, self.config.auth_key)
             parts.append(Part(link.agent_name, _Reversed(req), link.view.geometry.kind, note))
@@ -325,6 +362,20 @@ class Agent:
         """Drain and return what finished since the last call."""
         return self._reports.drain()
 
+    def stats(self) -> AgentStats:
+        """A snapshot of what this agent holds now (holds, claims, in-flight and quarantined
+        transfers, side-channel sessions, rejected frames); see ``AgentStats``."""
+        holds = self._leases.counts()
+        engine = self._engine.counts() if self._engine is not None else None
+        counters = getattr(self._server, "counters", None)
+        side = counters() if callable(counters) else {}
+        return AgentStats(
+            held_requests=holds.requests, held_blocks=holds.blocks, claimed_requests=holds.claimed,
+            ending_requests=holds.ending,
+            in_flight=engine.in_flight if engine else 0, draining=engine.draining if engine else 0,
+            quarantined_blocks=engine.quarantined_blocks if engine else 0,
+            sessions=int(side.get("sessions", 0)), rejected_frames=dict(side.get("rejected", {})))
+
     # ---- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
         """Stop listening, fail in-flight transfers, deregister memory. Idempotent."""
@@ -368,15 +419,17 @@ class Agent:
                               self._backend.metadata(), host, port, self.config.lease_timeout)
         return msgspec.structs.replace(info, **self._kit.peer_fields()) if self._kit is not None else info
 
-    def _links_for(self, remote: tuple[str, int]) -> tuple[list[PeerLink], list[PeerLink]]:
+    def _links_for(self, remote: tuple[str, int],
+                   timeout: float | None = None) -> tuple[list[PeerLink], list[PeerLink]]:
         """Links to the remote ranks this rank reads from, and to those it only notifies."""
         host, port = remote
-        head = self._peers.get(host, int(port))
+        head = self._peers.get(host, int(port), timeout=timeout)
         tp = head.spec.tp_size
         read = set(peer_ranks(self.spec, tp))
 
         def link(rank: int) -> PeerLink:
-            return head if rank == head.spec.tp_rank else self._peers.get(host, _rank_port(head, rank))
+            return head if rank == head.spec.tp_rank else self._peers.get(host, _rank_port(head, rank),
+                                                                          timeout=timeout)
 
         ranks = notify_ranks(self.spec, tp)
         return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
@@ -385,10 +438,11 @@ class Agent:
         """Claim from every producer rank at once; if any refuses or is lost, undo the grants and raise."""
         self._claim_answers(request_id, self._claim_send(request_id, remote_ids, links))
 
-    def _claim_send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> list:
+    def _claim_send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink],
+                    window: float = 0.0) -> list:
         """Send the claim to every rank now (the round trips run together, and overlap whatever
         the caller does next); returns ``(link, PendingAnswer or the error its send raised)``."""
-        claim = Claim(request_id, remote_ids.tolist(), self.engine_id)
+        claim = Claim(request_id, remote_ids.tolist(), self.engine_id, window)
         sent: list = []
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
@@ -523,13 +577,3 @@ def _cancel_jobs(parts) -> None:
 def _rank_port(head: PeerLink, rank: int) -> int:
     """Side-channel port of another TP rank of the head's instance (ranks use consecutive ports)."""
     return head.port - head.spec.tp_rank + rank
-
-
-def _ids(blocks, num_blocks: int, side: str) -> np.ndarray:
-    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
-        raise BlockIdError(f"{side} block id {bad} outside [0, {num_blocks})")
-    return ids
-
-

@@ -20,6 +20,7 @@ producer, so once the part finished the agent sends it a ``Done`` message on the
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -78,7 +79,8 @@ class ReadRoute:
     remote: np.ndarray
     request_id: str
     note: bytes
-    requests: list = field(default_factory=list)  # layout RequestPlans, one per link
+    requests: list = field(default_factory=list)  # layout RequestPlans: a list of chunks per link
+    chunked: bool = False  # some link's request moves in several chunks (host staging smaller than it)
 
     def start(self, kit: PathKit, view: CacheView, timeout: float | None, ask_timeout: float) -> list[Part]:
         """Start the transfer; returns one engine Part per producer rank.
@@ -86,8 +88,11 @@ class ReadRoute:
         Raises KvxferError when a producer refuses or a launch fails; parts already started
         are cancelled first."""
         if self.mode == "direct":
-            return [Part(link.agent_name, req, link.view.geometry.kind, self.note)
-                    for link, req in zip(self.links, self.requests)]
+            # A chunked request carries no NIXL notification: the read's Done tells the producer
+            # once every chunk landed (one chunk's notification would end the hold too early).
+            note = b"" if self.chunked else self.note
+            return [Part(link.agent_name, chunk, link.view.geometry.kind, note)
+                    for link, chunks in zip(self.links, self.requests) for chunk in chunks]
         if self.mode == "ipc":
             return self._start_ipc(kit, view)
         parts: list[Part] = []
@@ -167,6 +172,8 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
     requests = [plan.for_request(local, remote) for plan in plans]
     descriptors = sum(int(r.local.shape[0]) for r in requests)
     num_bytes = sum(int(r.num_bytes) for r in requests)
+    chunks = [chunk_request(plan, req, local, remote, kit.config.staging_bytes)
+              for plan, req in zip(plans, requests)]
     direct_why = None
     if kit.vram and any(r.staging_bytes for r in requests):
         direct_why = ("the layout plan is not plain byte ranges (head slices or a layout change) and its "
@@ -175,7 +182,33 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
                       staged_why=_first(kit.staged_why(link) for link in links) if links else "no producer rank",
                       direct_why=direct_why, local_vram=kit.vram, descriptors=descriptors, num_bytes=num_bytes)
     mode = choose_path(configured, facts)
-    return ReadRoute(mode, links, local, remote, request_id, note, requests)
+    return ReadRoute(mode, links, local, remote, request_id, note, chunks,
+                     chunked=any(len(c) > 1 for c in chunks))
+
+
+def chunk_request(plan, req, local: np.ndarray, remote: np.ndarray, capacity: int) -> list:
+    """``req`` cut into requests whose host staging fits ``capacity`` bytes (``[req]`` when it
+    fits, or when it stages nothing). Chunks cut at whole tokens of both block sizes.
+
+    Raises:
+        LayoutError: not even one chunk's staging fits (names both sizes)."""
+    if not req.staging_bytes or req.staging_bytes <= capacity:
+        return [req]
+    ls, rs = plan.local.spec, plan.remote.spec
+    unit_tokens = math.lcm(ls.block_size, rs.block_size)
+    lu, ru = unit_tokens // ls.block_size, unit_tokens // rs.block_size
+    units = max(1, local.size // lu)
+    per_unit = -(-req.staging_bytes // units)
+    step = max(1, capacity // per_unit)
+    while True:
+        out = [plan.for_request(local[i * lu:(i + step) * lu], remote[i * ru:(i + step) * ru])
+               for i in range(0, units, step)]
+        if all(c.staging_bytes <= capacity for c in out):
+            return out
+        if step == 1:
+            raise LayoutError(f"one chunk of this request stages {max(c.staging_bytes for c in out)} bytes; "
+                              f"the host staging buffer (staging_bytes) holds {capacity}")
+        step = max(1, step // 2)
 
 
 def _check_ids(local_spec, local: np.ndarray, remote_spec, remote: np.ndarray) -> None:

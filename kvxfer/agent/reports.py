@@ -1,4 +1,4 @@
-"""What finished since the user last asked: sent, expired, received, failed (layer: agent)."""
+"""What finished since the user last asked, and what the agent holds now (layer: agent)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvxfer.errors import KvxferError
 
-__all__ = ["Finished", "Reports"]
+__all__ = ["AgentStats", "Finished", "Reports"]
 
 
 @dataclass
@@ -18,12 +18,41 @@ class Finished:
     ``expired``: producer requests released by abort or lease expiry.
     ``received``: consumer requests whose blocks arrived (reads, or writes from producers).
     ``failed``: consumer requests that failed, with the error.
+    ``reclaimed``: failed consumer requests whose destination blocks were quarantined (the
+    transfer was not confirmed ended when the read failed) and are free again now.
+
+    A producer request appears in ``sent`` or ``expired`` only once its blocks are really free
+    (no consumer's transfer window is open any more): only then may the engine reuse them.
     """
 
     sent: set[str] = field(default_factory=set)
     expired: set[str] = field(default_factory=set)
     received: set[str] = field(default_factory=set)
     failed: dict[str, KvxferError] = field(default_factory=dict)
+    reclaimed: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class AgentStats:
+    """What an agent holds right now (``Agent.stats()``); all zero on an idle agent.
+
+    Producer: ``held_requests``/``held_blocks`` (not yet free), ``claimed_requests`` (inside a
+    consumer's transfer window), ``ending_requests`` (released, aborted or expired, waiting for
+    a window to close). Consumer: ``in_flight`` (reads and writes not ended, draining included),
+    ``draining`` (failed, waiting for their transfers to end), ``quarantined_blocks`` (destination
+    blocks of failed reads not confirmed ended: do not reuse them until ``finished().reclaimed``).
+    Side channel: ``sessions`` (handshaken consumers) and ``rejected_frames`` by reason.
+    """
+
+    held_requests: int = 0
+    held_blocks: int = 0
+    claimed_requests: int = 0
+    ending_requests: int = 0
+    in_flight: int = 0
+    draining: int = 0
+    quarantined_blocks: int = 0
+    sessions: int = 0
+    rejected_frames: dict[str, int] = field(default_factory=dict)
 
 
 class Reports:
@@ -48,6 +77,11 @@ class Reports:
         """A producer hold ended: ``why`` is "sent", "aborted" or "expired"."""
         with self._lock:
             (self._current.sent if why == "sent" else self._current.expired).add(request_id)
+
+    def reclaimed(self, request_id: str) -> None:
+        """A failed read's quarantined blocks are free again."""
+        with self._lock:
+            self._current.reclaimed.add(request_id)
 
     def expect_writes(self, request_id: str, producers: int) -> None:
         with self._lock:

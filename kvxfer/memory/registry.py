@@ -98,8 +98,8 @@ class MemoryRegistry:
             ``CacheGeometry`` whose ``bases[layer, kv]`` is the address of block 0 of that region.
 
         Raises:
-            RegistrationError: wrong entry count, element size or byte count (naming expected and
-                actual shape/dtype), non-contiguous memory (naming the tensor), mixed devices,
+            RegistrationError: wrong entry count, element size, byte count or shape (naming expected
+                and actual shape/dtype; a flat 1-D view of the right size is accepted), non-contiguous memory (naming the tensor), mixed devices,
                 or an object that is not a tensor.
             ClosedError: after ``close``.
         """
@@ -154,6 +154,13 @@ class MemoryRegistry:
                 f"{label}: expected {spec.dtype} (itemsize {spec.itemsize}) of shape {shape} "
                 f"({want} bytes); got {t.dtype} (itemsize {t.itemsize}) of shape {t.shape} "
                 f"({t.nbytes} bytes)")
+        if not _same_arrangement(tuple(t.shape), tuple(shape)):
+            # Same bytes, another arrangement (say an HND tensor under an NHD spec, or packed under
+            # split): every transfer would move the wrong bytes.
+            raise RegistrationError(
+                f"{label}: expected shape {tuple(shape)} for this spec ({spec.layout.value}, "
+                f"{spec.storage.value}); got shape {tuple(t.shape)} (register a tensor of the spec's "
+                "shape, or a view of it with trailing dimensions flattened)")
         if not t.contiguous:
             raise RegistrationError(f"{label}: memory must be contiguous; got a strided view of "
                                     f"shape {t.shape} (call .contiguous() / np.ascontiguousarray)")
@@ -233,3 +240,12 @@ class MemoryRegistry:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _same_arrangement(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """``got`` is ``want`` with its trailing dimensions flattened (from none to all): a view an
+    engine may register for the spec's layout. A 1-D view is taken as the layout, flattened."""
+    if len(got) <= 1:
+        return True
+    k = len(got) - 1
+    return got[:k] == want[:k] and got[k] == math.prod(want[k:])

@@ -57,7 +57,7 @@ def test_read_of_block_not_held_names_the_block(harness):
 
 
 @pytest.mark.parametrize("local,remote,match", [
-    ([12], [0], r"local block id 12 outside \[0, 12\)"),
+    ([12], [0], r"local block id 12 is outside \[0, 12\)"),
     ([-1], [0], r"local block id -1"),
     ([0], [99], "99"),
 ])

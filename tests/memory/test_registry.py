@@ -169,3 +169,19 @@ def test_close_after_backend_closed_is_quiet(backend):
     reg.register_buffer(np.zeros(64, np.uint8))
     backend.close()
     reg.close()
+
+
+def test_tensors_in_another_layouts_shape_are_refused(backend):
+    # Same dtype, same bytes, but HND tensors under an NHD spec: every transfer would move wrong bytes.
+    s = spec()
+    nhd = s.tensor_shapes()[0]
+    hnd = (nhd[0], nhd[1], nhd[3], nhd[2], nhd[4])
+    assert hnd != nhd
+    layers = [np.zeros(hnd, np.float16) for _ in range(s.num_layers)]
+    registry = MemoryRegistry(backend)
+    with pytest.raises(RegistrationError, match=r"layer 0: expected shape .* got shape"):
+        registry.register(s, layers)
+    assert backend.registered() == []
+    packed = [np.zeros((s.num_blocks, 2, *nhd[2:]), np.float16) for _ in range(s.num_layers)]
+    with pytest.raises(RegistrationError, match="expected shape"):
+        registry.register(s, packed)
