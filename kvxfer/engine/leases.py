@@ -6,7 +6,9 @@ A request's blocks move through three states (docs/reliability.md has the table)
 * **claimed**: a consumer's ``claim`` names a transfer *window* (seconds from the claim's
   receipt). Until every claimant is done or its window has passed, the blocks are not freed,
   whatever ``release``, abort or lease expiry say meanwhile: those only mark the request as
-  *ending* (new claims are refused) and the free happens when the last window closes.
+  *ending* (new claims are refused) and the free happens when the last window closes. A
+  claimant whose window passes without its done has failed its read (on its own clock): the
+  hold then ends ("expired") as soon as no other window is open.
 * **free**: the ``on_release(request_id, why)`` callback fires exactly once, only now; the
   engine that owns the cache may reuse the blocks from this moment on, never before.
 
@@ -214,13 +216,15 @@ class LeaseTable:
         return True
 
     def expire(self) -> list[str]:
-        """Free every hold past its lease (or ending) whose claim windows have all closed;
-        returns their request ids. A hold past its lease inside a window becomes ending."""
+        """Free every hold past its lease, ending, or whose claimant's window passed without its
+        done (that read failed on its own clock), once no window is open; returns their request
+        ids. A hold past its lease inside a window becomes ending."""
         now = self._clock.now()
         freed: list[tuple[str, str]] = []
         with self._lock:
             for rid, hold in list(self._holds.items()):
-                if not hold.ending and hold.deadline > now:
+                lapsed = bool(hold.windows) and not hold.open_windows(now)
+                if not hold.ending and hold.deadline > now and not lapsed:
                     continue
                 if hold.open_windows(now):
                     hold.ending = hold.ending or "expired"

@@ -57,19 +57,19 @@ def test_late_claim_after_expiry_is_refused():
     assert not result.granted and "not held" in result.reason
 
 
-def test_claim_and_heartbeat_extend_the_lease():
-    table, clock, _ = make(lease=5.0)
+def test_heartbeat_extends_the_lease_and_a_claim_window_passing_without_done_frees():
+    table, clock, released = make(lease=5.0)
     table.hold("r", [0], num_blocks=1)
     clock.advance(4.0)
-    table.claim("r", "a", [0])
-    clock.advance(4.0)
-    assert table.expire() == []
     alive, gone = table.heartbeat(["r", "other"], "a")
     assert alive == ["r"] and gone == ["other"]
     clock.advance(4.0)
+    assert table.expire() == []          # the heartbeat moved the lease to 9
+    assert table.claim("r", "a", [0], window=2.0).granted
+    clock.advance(1.9)
     assert table.expire() == []
-    clock.advance(1.5)
-    assert table.expire() == ["r"]
+    clock.advance(0.2)                   # the claimant's window passed without its done
+    assert table.expire() == ["r"] and released == [("r", "expired")]
 
 
 def test_release_is_idempotent():

@@ -1,0 +1,200 @@
+"""Helpers for the chaos tests: kvxfer agents in their own processes over real NIXL + ZMQ,
+driven by tuple commands, whose engine *reuses* blocks the moment ``finished()`` says they are free.
+
+``Peer`` runs one agent (registered, listening) in a spawned process. Commands (``ask``):
+
+* ``("hold", rid, blocks, lease, reuse)``: hold ``blocks``; with ``reuse`` the agent's engine
+  overwrites them with ``REUSED`` as soon as ``finished()`` reports ``rid`` sent or expired
+  (what a serving engine does with freed blocks);
+* ``("reset",)``: refill the cache from its seed; ``("hold_many", [(rid, blocks), ...])``; ``("release", rid)``; ``("stats",)`` (``Agent.stats()``
+  as a dict); ``("rss",)``; ``("reused",)`` (rids overwritten so far, in order);
+* ``("blocks", ids)``: the cache's blocks ``ids`` (per layer arrays) as they are now;
+* ``("read", address, local, remote, rid, timeout)``: start a read and answer at once;
+* ``("write", address, local, remote, rid, timeout)``: write and wait; answers "ok" or the error's type name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from kvxfer import Agent, AgentConfig, KvxferError, KVSpec
+from kvxfer.testing import ProducerProcess, free_port_block
+
+#: The value a reusing engine writes into blocks it got back.
+REUSED = 0xDEAD
+#: The value a consumer's destination holds before a read (to see late bytes).
+SENTINEL = 0x5A5A
+
+# 4 layers x 8 heads x 128 dim x 16 tokens, bf16: 256 KiB per block over all layers and K/V.
+BIG = dict(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=640,
+           dtype="bfloat16", model="chaos")
+
+
+def cache_for(spec: KVSpec, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in spec.tensor_shapes()]
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _Engine:
+    """The serving engine around an agent: reuses blocks once ``finished()`` says they are free."""
+
+    def __init__(self, agent: Agent, cache: list[np.ndarray]) -> None:
+        self.agent, self.cache = agent, cache
+        self.blocks: dict[str, list[int]] = {}
+        self.reused: list[str] = []
+        self.freed: list[tuple[str, str]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            fin = self.agent.finished()
+            for why, rids in (("sent", fin.sent), ("expired", fin.expired)):
+                for rid in sorted(rids):
+                    self.freed.append((rid, why))
+                    ids = self.blocks.pop(rid, None)
+                    if ids is not None:
+                        for t in self.cache:
+                            t[:, ids] = REUSED
+                        self.reused.append(rid)
+            time.sleep(0.0005)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+
+
+def _serve(cmd, out, spec_kwargs: dict, seed: int, port: int, cfg: dict) -> None:
+    spec = KVSpec(**spec_kwargs)
+    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
+    with Agent(f"chaos{spec.tp_rank}", spec, config) as agent:
+        cache = cache_for(spec, seed)
+        agent.register(cache)
+        agent.listen()
+        engine = _Engine(agent, cache)
+        engine.seed = seed
+        handles = []
+        out.put(("ready", agent.address))
+        while True:
+            what = cmd.get(timeout=600)
+            if what == "stop":
+                engine.stop()
+                return
+            out.put(_answer(agent, engine, handles, what))
+
+
+def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
+    op, args = what[0], what[1:]
+    if op == "hold":
+        rid, blocks, lease, reuse = args
+        agent.hold(rid, blocks, lease=lease)
+        if reuse:
+            engine.blocks[rid] = list(blocks)
+        return True
+    if op == "reset":  # the cache back to its seeded bytes (after earlier cases reused blocks)
+        for t, fresh in zip(engine.cache, cache_for(agent.spec, engine.seed)):
+            t[...] = fresh
+        return True
+    if op == "hold_many":
+        for rid, blocks in args[0]:
+            agent.hold(rid, blocks)
+        return True
+    if op == "release":
+        return agent.release(args[0])
+    if op == "stats":
+        return dataclasses.asdict(agent.stats())
+    if op == "rss":
+        return rss()
+    if op == "reused":
+        return list(engine.reused)
+    if op == "freed":
+        return list(engine.freed)
+    if op == "blocks":
+        return [t[:, list(args[0])].copy() for t in engine.cache]
+    if op == "read":
+        address, local, remote, rid, timeout = args
+        handles.append(agent.read(tuple(address), local, remote, rid, timeout=timeout))
+        return "started"
+    if op == "write":
+        address, local, remote, rid, timeout = args
+        try:
+            agent.write(tuple(address), local, remote, rid, timeout=timeout).wait(timeout + 5)
+        except KvxferError as exc:
+            return type(exc).__name__
+        return "ok"
+    raise ValueError(f"unknown command {what!r}")
+
+
+class Peer(ProducerProcess):
+    """An agent in a spawned process (see the module doc); ``pid`` for signals."""
+
+    def __init__(self, spec: KVSpec, seed: int, port: int | None = None, *, wait: bool = True, **cfg) -> None:
+        self.spec = spec
+        port = port if port is not None else free_port_block(1)
+        kwargs = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+        super().__init__(_serve, kwargs, seed, port, cfg, wait=wait)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def ask(self, what, timeout: float = 60.0):
+        self.cmd.put(what)
+        return self.out.get(timeout=timeout)
+
+
+def start_all(spec: KVSpec, seeds, **cfg) -> list[Peer]:
+    """Several peers started side by side (spawning is the slow part), each ready."""
+    peers = [Peer(spec, seed, wait=False, **cfg) for seed in seeds]
+    for peer in peers:
+        peer.ready()
+    return peers
+
+
+def consumer(spec: KVSpec, seed: int = 99, **cfg) -> tuple[Agent, list[np.ndarray]]:
+    """A consumer agent in this process (not listening), its cache filled from ``seed``."""
+    cfg.setdefault("side_channel_host", "127.0.0.1")
+    cfg.setdefault("side_channel_port", free_port_block(1))
+    agent = Agent("consumer", spec, AgentConfig(**cfg))
+    cache = cache_for(spec, seed)
+    agent.register(cache)
+    return agent, cache
+
+
+def fill(cache: list[np.ndarray], ids, value: int = SENTINEL) -> None:
+    for t in cache:
+        t[:, list(ids)] = value
+
+
+def blocks_of(cache: list[np.ndarray], ids) -> list[np.ndarray]:
+    return [t[:, list(ids)].copy() for t in cache]
+
+
+def wait_until(fn, timeout: float = 10.0, step: float = 0.02):
+    """Poll ``fn`` until it returns something truthy (returned) or ``timeout`` passes (last value)."""
+    deadline = time.monotonic() + timeout
+    got = fn()
+    while not got and time.monotonic() < deadline:
+        time.sleep(step)
+        got = fn()
+    return got
+
+
+def idle(stats: dict) -> bool:
+    """Nothing held, claimed, in flight or quarantined."""
+    keys = ("held_requests", "held_blocks", "claimed_requests", "ending_requests", "in_flight",
+            "draining", "quarantined_blocks")
+    return all(stats[k] == 0 for k in keys)
