@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     s.add_argument("--device", default="cpu", help="cpu or cuda:N")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    s.add_argument("--kv-layout", default="nhd", choices=("nhd", "vllm-cpu"),
+                   help="pool format: nhd (natural; converts to any token-major peer) or vllm-cpu (vLLM's CPU "
+                        "attention cache byte for byte, for vLLM-CPU peers of the same --block-size)")
     s.add_argument("--num-blocks", type=int, default=1024, help="blocks in the KV pool (default 1024)")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + generation served (default: the config's max_position_embeddings)")
@@ -57,16 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         settings = ServeSettings.parse(args.kv_transfer_config, device=args.device)
         engine = HFEngine.start(args.model_dir, settings=settings, dtype=args.dtype, device=args.device,
                                 block_size=args.block_size, num_blocks=args.num_blocks,
-                                kv_model=args.kv_model_name, max_model_len=args.max_model_len)
+                                kv_model=args.kv_model_name, max_model_len=args.max_model_len,
+                                kv_layout=args.kv_layout)
     except (KvxferError, ValueError, OSError) as exc:
         print(f"kvxfer-hf: {exc}", file=sys.stderr)
         return 2
     if engine.transfers is not None:
         host, port = engine.transfers.address
         logging.getLogger("kvxfer_transformers").info(
-            "kvxfer agent %s on %s:%d: %d layers x %d blocks of %d, NHD/split, %s, role %s, policy %s",
+            "kvxfer agent %s on %s:%d: %d layers x %d blocks of %d, %s, %s, role %s, policy %s",
             engine.transfers.engine_id, host, port, engine.pool.spec.num_layers, engine.pool.spec.num_blocks,
-            engine.pool.block_size, engine.pool.spec.dtype, settings.role, settings.failure_policy)
+            engine.pool.block_size, engine.pool.format, engine.pool.spec.dtype, settings.role, settings.failure_policy)
     try:
         uvicorn.run(create_app(engine, args.served_model_name or args.model_dir), host=args.host,
                     port=args.port, log_level=args.log_level.lower())

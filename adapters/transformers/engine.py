@@ -73,11 +73,13 @@ class HFEngine:
     @classmethod
     def start(cls, model_dir: str, *, settings: ServeSettings, dtype: str = "float32", device: str = "cpu",
               block_size: int = 16, num_blocks: int = 1024, kv_model: str | None = None,
-              max_model_len: int | None = None) -> "HFEngine":
-        """Load the model, build its pool, and (when ``settings.enabled``) register it and listen."""
+              max_model_len: int | None = None, kv_layout: str = "nhd") -> "HFEngine":
+        """Load the model, build its pool (``kv_layout``: ``nhd`` or ``vllm-cpu``, see ``KVPool``), and
+        (when ``settings.enabled``) register it and listen."""
         model = load_model(model_dir, dtype, device)
         pool = KVPool(ModelShape.from_config(model.config), num_blocks=num_blocks, block_size=block_size,
-                      dtype=DTYPES[dtype], device=device, model=kv_model if kv_model is not None else model_dir)
+                      dtype=DTYPES[dtype], device=device, model=kv_model if kv_model is not None else model_dir,
+                      fmt=kv_layout)
         transfers = Transfers(pool, settings) if settings.enabled else None
         return cls(model, pool, settings, transfers, max_model_len)
 

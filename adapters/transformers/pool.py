@@ -52,23 +52,60 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Pool formats: ``nhd`` (natural, token-major K and V: kvxfer ``split``/``NHD``) and ``vllm-cpu``
+#: (vLLM's CPU attention cache byte for byte, see ``KVPool``).
+FORMATS = ("nhd", "vllm-cpu")
+
+
 class KVPool:
     """``num_blocks`` blocks of ``block_size`` tokens per layer, plus a thread-safe free list.
 
     ``spec`` is the pool's ``KVSpec``; ``tensors`` are what ``Agent.register`` takes. ``model``
     must be the string the peer's spec carries (vLLM: the ``--model`` argument as given), since
     it enters the compatibility hash two agents compare before anything else.
+
+    Formats: ``nhd`` (default) holds per layer ``[2, blocks, block_size, heads, head_dim]``;
+    kvxfer's translator converts it to and from any peer whose K and V are token-major inside a
+    block (another kvxfer-hf pool, vLLM's GPU backends), across block sizes and HND/NHD.
+    ``vllm-cpu`` holds exactly what vLLM's CPU attention kernel (``vec`` ISA: float32, or a CPU
+    without AMX) keeps: per layer ``[blocks, heads, 2, block_size, head_dim]`` memory in which
+    each head's K block is stored dim-major (``[head_dim, block_size]``, K transposed) and its V
+    block token-major. kvxfer's ``KVSpec`` cannot express a dim-major K, so such a pool only
+    exchanges whole blocks with a peer of the same format and block size (``same_format_as``).
     """
 
     def __init__(self, shape: ModelShape, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, model: str) -> None:
+                 device: torch.device | str, model: str, fmt: str = "nhd") -> None:
+        if fmt not in FORMATS:
+            raise LayoutError(f"pool format must be one of {FORMATS}; got {fmt!r}")
+        self.format = fmt
+        layout, storage = ("NHD", "split") if fmt == "nhd" else ("HND", "head_packed")
         self.spec = KVSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, block_size=block_size, num_blocks=num_blocks,
-                           dtype=dtype_name(dtype), layout="NHD", storage="split", model=model)
-        self.tensors = [torch.zeros(2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim,
-                                    dtype=dtype, device=device) for _ in range(shape.num_layers)]
+                           dtype=dtype_name(dtype), layout=layout, storage=storage, model=model)
+        self.tensors = [torch.zeros(shp, dtype=dtype, device=device) for shp in self.spec.tensor_shapes()]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._freed = threading.Condition()
+
+    def _views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[blocks, block_size, heads, head_dim]`` views of its tensor."""
+        if self.format == "nhd":
+            return t[0], t[1]
+        n, heads, _, bs, dim = t.shape
+        k = t[:, :, 0].view(n, heads, dim, bs).permute(0, 3, 1, 2)  # dim-major K, as vLLM's kernel keeps it
+        return k, t[:, :, 1].permute(0, 2, 1, 3)
+
+    def same_format_as(self, peer: KVSpec) -> bool:
+        """Whether blocks can move between this pool and ``peer`` with their bytes unchanged."""
+        return (peer.layout == self.spec.layout and peer.storage == self.spec.storage
+                and peer.block_size == self.spec.block_size and peer.tp_size == self.spec.tp_size)
+
+    def exchangeable_with(self, peer: KVSpec) -> bool:
+        """Whether kvxfer's translator moves this pool's K correctly to or from ``peer``: always
+        between token-major formats; only whole identical blocks where either side keeps K dim-major
+        (``head_packed`` is vLLM's CPU cache, whose K is dim-major)."""
+        dim_major = {self.spec.storage.value == "head_packed", peer.storage.value == "head_packed"}
+        return dim_major == {False} or self.same_format_as(peer)
 
     @property
     def block_size(self) -> int:
@@ -106,33 +143,33 @@ class KVPool:
             self._freed.notify_all()
 
     # ---- copies ----------------------------------------------------------------------
-    def _slots(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
+    def _ids(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
         if num_tokens > len(blocks) * self.block_size:
             raise LayoutError(f"{num_tokens} tokens do not fit {len(blocks)} blocks of {self.block_size}")
-        ids = torch.as_tensor(list(blocks), dtype=torch.int64)
-        rows = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
-        return rows[:num_tokens].to(self.tensors[0].device)
+        return torch.as_tensor(list(blocks), dtype=torch.int64, device=self.tensors[0].device)
 
     def store(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: Sequence[int],
               num_tokens: int) -> None:
         """Copy the first ``num_tokens`` tokens of each layer's ``(K, V)``, shaped like transformers'
-        cache ``[1, kv_heads, tokens, head_dim]``, into ``blocks`` (in token order)."""
+        cache ``[1, kv_heads, tokens, head_dim]``, into ``blocks`` (in token order; the rest of the
+        last block is zeroed)."""
         if len(layers) != len(self.tensors):
             raise LayoutError(f"expected K/V of {len(self.tensors)} layers; got {len(layers)}")
-        slots = self._slots(blocks, num_tokens)
-        for pool, (k, v) in zip(self.tensors, layers):
-            flat = pool.view(2, -1, *pool.shape[3:])  # [2, blocks*block_size, heads, dim]
-            for half, x in ((0, k), (1, v)):
-                flat[half].index_copy_(0, slots, x[0, :, :num_tokens].transpose(0, 1).to(pool.dtype))
+        ids = self._ids(blocks, num_tokens)
+        pad = len(blocks) * self.block_size - num_tokens
+        for t, kv in zip(self.tensors, layers):
+            for view, x in zip(self._views(t), kv):
+                rows = x[0, :, :num_tokens].transpose(0, 1).to(t.dtype)           # [tokens, heads, dim]
+                rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, pad))
+                view[ids] = rows.reshape(len(blocks), self.block_size, *rows.shape[1:])
 
     def load(self, blocks: Sequence[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(K, V)`` of the first ``num_tokens`` tokens held in ``blocks``, shaped
         ``[1, kv_heads, tokens, head_dim]`` (fresh tensors: the blocks may be freed afterwards)."""
-        slots = self._slots(blocks, num_tokens)
+        ids = self._ids(blocks, num_tokens)
         out = []
-        for pool in self.tensors:
-            flat = pool.view(2, -1, *pool.shape[3:])
-            k, v = (flat[half].index_select(0, slots).transpose(0, 1).unsqueeze(0).contiguous()
-                    for half in (0, 1))
+        for t in self.tensors:
+            k, v = (view[ids].reshape(-1, *view.shape[2:])[:num_tokens].transpose(0, 1).unsqueeze(0).contiguous()
+                    for view in self._views(t))
             out.append((k, v))
         return out

@@ -28,6 +28,10 @@ log = logging.getLogger("kvxfer_transformers.transfer")
 REAP_INTERVAL = 0.2
 
 
+class IncompatibleKOrder(KvxferError):
+    """The peer keeps K in an order kvxfer's translator cannot convert to this pool's (nothing was read)."""
+
+
 class LoadFailed(KvxferError):
     """A decode could not get the producer's KV (the cause is chained); the failure policy decides."""
 
@@ -108,8 +112,14 @@ class Transfers:
         """
         landing: list[int] = []
         try:
-            peer_block = self._agent.connect(remote.host, remote.port).spec.block_size
-            tokens, remote_ids, local_count = self._plan(remote, prompt_len, peer_block)
+            peer = self._agent.connect(remote.host, remote.port).spec
+            if not self._pool.exchangeable_with(peer):
+                raise IncompatibleKOrder(
+                    f"the producer's cache is {peer.layout.value}/{peer.storage.value}, block {peer.block_size}; "
+                    f"this pool is {self._pool.spec.layout.value}/{self._pool.spec.storage.value}, block "
+                    f"{self._pool.block_size}: vLLM's CPU cache keeps K dim-major, which kvxfer cannot convert "
+                    f"(run kvxfer-hf with --kv-layout vllm-cpu --block-size {peer.block_size})")
+            tokens, remote_ids, local_count = self._plan(remote, prompt_len, peer.block_size)
             if tokens == 0:
                 self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
                 return Landed([], 0)

@@ -13,9 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from hf_harness import HFServer, free_port, hf_config, make_tiny_model, quiet_env, start_all
-
-HF_CORE = "0"
+from hf_harness import HF_CORE, HFServer, hf_config, make_tiny_model, port_run, quiet_env, start_all
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +30,7 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_servers(hf_model: Path, hf_logs: Path) -> Iterator[dict[str, HFServer]]:
-    side = free_port(8)
+    side = port_run(8)
     servers = {
         "hf16": HFServer("hf16", hf_model, hf_logs, cpu_bind=HF_CORE, env=quiet_env(side),
                          args=("--block-size", "16", "--kv-transfer-config", hf_config("fail"))),

@@ -22,13 +22,40 @@ from vllm_harness import (  # noqa: E402  (re-exported for the test modules)
     post_json, prefill, prompt_of, route_pd, run_concurrently, start_all,
 )
 
-__all__ = ["SERVED_NAME", "Client", "Completion", "HFServer", "ProxyServer", "RequestFailed", "VllmServer",
-           "free_port", "hf_config", "make_tiny_model", "post_json", "prefill", "prompt_of", "quiet_env",
+__all__ = ["HF_CORE", "SERVED_NAME", "Client", "Completion", "HFServer", "ProxyServer", "RequestFailed", "VllmServer",
+           "free_port", "hf_config", "port_run", "make_tiny_model", "post_json", "prefill", "prompt_of", "quiet_env",
            "route_pd", "run_concurrently", "start_all"]
+
+#: Core of every kvxfer-hf server in the tests (vLLM servers take core 1, as in tests/vllm).
+HF_CORE = "0"
 
 #: NIXL's progress thread spins a core per agent even when idle (docs/api.md); on 2 shared cores
 #: every server in these tests runs without it.
 QUIET = {"KVXFER_NIXL_PROGRESS_THREAD": "0"}
+
+
+def port_run(n: int) -> int:
+    """A base port with ``n`` consecutive ports free, drawn below the kernel's ephemeral range
+    (32768+), which heavy connection churn on a shared CI host can fill with TIME-WAIT sockets."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found in [20000, 32000)")
 
 
 def quiet_env(side_port: int) -> dict[str, str]:
@@ -48,7 +75,7 @@ class HFServer(VllmServer):
 
     def start(self) -> "HFServer":
         if not self.port:
-            self.port = free_port()
+            self.port = port_run(1)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.env)
         cores = {int(c) for c in self.cpu_bind.split(",") if c.strip()} & os.sched_getaffinity(0)
         cmd = [sys.executable, "-m", "kvxfer_transformers", "serve", str(self.model), "--host", "127.0.0.1",

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cross_contract import MAX_TOKENS, CrossContract, Route, reference
-from hf_harness import ProxyServer, RequestFailed, post_json, prefill, prompt_of, route_pd
+from hf_harness import ProxyServer, RequestFailed, port_run, post_json, prefill, prompt_of, route_pd
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def route(hf_servers, hf_logs):
     p, d = hf_servers["hf32"], hf_servers["hf16"]
-    proxy = ProxyServer([p], [d], hf_logs, name="hf-hf-proxy").start()
+    proxy = ProxyServer([p], [d], hf_logs, name="hf-hf-proxy", port=port_run(1)).start()
     try:
         proxy.wait_ready(time.monotonic() + 60)
         yield Route(p.client(), d.client(), p.client(), proxy.client(), decoder_reports_loaded=True)
