@@ -46,6 +46,25 @@ class Landed:
     num_bytes: int = 0
 
 
+def read_extent(remote: RemotePrefill, prompt_len: int, peer_block: int,
+                local_block: int) -> tuple[int, list[int], int]:
+    """What a decode reads: (prompt tokens whose KV it uses, remote block ids, local blocks to land them in).
+
+    At least the last prompt token is left to compute here (its logits give the first token, as
+    vLLM's decoder recomputes it). kvxfer moves whole units of ``lcm`` of the two block sizes,
+    so the read covers the used tokens rounded up to a unit, or down where the producer's
+    blocks end first (the tokens past it are computed here).
+    """
+    unit = math.lcm(local_block, peer_block)
+    held = min(remote.tokens_available(prompt_len), len(remote.block_ids) * peer_block)
+    tokens = max(0, min(held, prompt_len - 1))
+    covered = -(-tokens // unit) * unit
+    if covered > len(remote.block_ids) * peer_block:
+        covered = tokens // unit * unit
+        tokens = covered
+    return tokens, list(remote.block_ids[:covered // peer_block]), covered // local_block
+
+
 class Transfers:
     """Owns the Agent over ``pool``: ``hold`` (prefill side), ``load`` (decode side), and a reaper
     thread that returns held blocks once their decoder is done or their lease ran out."""
@@ -119,7 +138,7 @@ class Transfers:
                     f"this pool is {self._pool.spec.layout.value}/{self._pool.spec.storage.value}, block "
                     f"{self._pool.block_size}: vLLM's CPU cache keeps K dim-major, which kvxfer cannot convert "
                     f"(run kvxfer-hf with --kv-layout vllm-cpu --block-size {peer.block_size})")
-            tokens, remote_ids, local_count = self._plan(remote, prompt_len, peer.block_size)
+            tokens, remote_ids, local_count = read_extent(remote, prompt_len, peer.block_size, self._pool.block_size)
             if tokens == 0:
                 self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
                 return Landed([], 0)
@@ -135,20 +154,6 @@ class Transfers:
             self._give_up(remote, landing, exc)
             raise LoadFailed(f"read of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
         return Landed(landing, tokens, stats.seconds, stats.num_bytes)
-
-    def _plan(self, remote: RemotePrefill, prompt_len: int, peer_block: int) -> tuple[int, list[int], int]:
-        """(tokens to use, remote block ids to read, local blocks to land them in). kvxfer moves
-        whole units of ``lcm`` of the two block sizes, so a read covers the used tokens rounded up
-        to a unit, or down where the producer's blocks end first."""
-        local_block = self._pool.block_size
-        unit = math.lcm(local_block, peer_block)
-        held = min(remote.tokens_available(prompt_len), len(remote.block_ids) * peer_block)
-        tokens = min(held, prompt_len - 1)
-        covered = -(-tokens // unit) * unit
-        if covered > len(remote.block_ids) * peer_block:
-            covered = tokens // unit * unit
-            tokens = covered
-        return tokens, list(remote.block_ids[:covered // peer_block]), covered // local_block
 
     def _give_up(self, remote: RemotePrefill, landing: list[int], exc: KvxferError) -> None:
         """A posted read failed: tell the producer, and keep its landing blocks out of use."""
