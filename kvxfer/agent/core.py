@@ -93,7 +93,7 @@ class Agent:
                                     getattr(backend, "connect", None))
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
-        self._done = DoneSender(self.engine_id, self.config.handshake_timeout, notify=self._notify_done)
+        self._done = DoneSender(self.engine_id, self._ask_engine, notify=self._notify_done)
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
         self._wake = threading.Event()
@@ -484,6 +484,12 @@ class Agent:
     def _abort_links(self, request_id: str, links: list[PeerLink]) -> None:
         for link in links:
             self._abort_at(link, request_id, same_engine=True)
+
+    def _ask_engine(self, link: PeerLink, message):
+        """``message`` to ``link``'s engine on its session (one fresh handshake if the session was
+        lost; a restarted peer, another engine, is not asked: PeerLostError)."""
+        return self._peers.call(link.host, link.port, lambda lk: lk.ask(message, self.config.handshake_timeout),
+                                engine_id=link.engine_id)
 
     def _notify_done(self, link: PeerLink, request_id: str) -> None:
         """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""

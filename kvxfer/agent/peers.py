@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from kvxfer.errors import KvxferError, PeerLostError, TransferTimeoutError
+from kvxfer.errors import KvxferError, PeerLostError
 from kvxfer.layout import CacheView, build_plan
 from kvxfer.protocol import ClientSession, Codec, PeerInfo
 from kvxfer.transport.zmq import SideChannelClient
@@ -45,7 +45,6 @@ class PeerLink:
     client: SideChannelClient
     session: ClientSession
     plans: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
     paths: dict = field(default_factory=dict)      # per-peer state of the GPU paths (IPC mapping)
     on_close: list = field(default_factory=list)   # called once on close (e.g. unmap the peer's cache)
     timings: dict = field(default_factory=dict)    # handshake phase -> seconds: hello, metadata, connect
@@ -85,25 +84,15 @@ class PeerLink:
 
     def ask(self, message, timeout: float):
         """One request/response on the side channel. Raises PeerLostError when the peer is gone."""
-        with self.lock:
-            self._check_ready()
-            frame = self.session.request(message)
-            reply = self.client.request(frame, timeout)
-            return self.session.response(reply, message)
+        return self.send(message, timeout).answer()
 
     def send(self, message, timeout: float) -> "PendingAnswer":
         """Send a request now; ``answer()`` on the result waits for the reply (see ``ask``).
 
-        The link is held (other requests on it wait) until the answer is taken or cancelled."""
-        if not self.lock.acquire(timeout=timeout):
-            raise TransferTimeoutError(f"link to {self.engine_id}: another request held it for {timeout} s")
-        try:
-            self._check_ready()
-            pending = self.client.send(self.session.request(message), timeout)
-        except BaseException:
-            self.lock.release()
-            raise
-        return PendingAnswer(self, message, pending)
+        With a multiplexed peer (every current agent) other requests on this link go on
+        meanwhile; with an older peer the link is held until the answer is taken or cancelled."""
+        self._check_ready()
+        return PendingAnswer(self, message, self.client.send(self.session.request(message), timeout))
 
     def close(self) -> None:
         self.closed = True
@@ -121,25 +110,13 @@ class PendingAnswer:
 
     def __init__(self, link: PeerLink, message, pending) -> None:
         self.link, self._message, self._pending = link, message, pending
-        self._open = True
 
     def answer(self):
         """The decoded reply (raises as ``PeerLink.ask``)."""
-        try:
-            return self.link.session.response(self._pending.reply(), self._message)
-        finally:
-            self._finish()
+        return self.link.session.response(self._pending.reply(), self._message)
 
     def cancel(self) -> None:
-        try:
-            self._pending.cancel()
-        finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self._open:
-            self._open = False
-            self.link.lock.release()
+        self._pending.cancel()
 
 
 class PeerDirectory:
@@ -234,6 +211,7 @@ class PeerDirectory:
             session = ClientSession(self._codec, self._local_info())
             reply = client.request(session.start(), timeout or self._timeout)
             info = session.receive_welcome(reply)  # validates the peer's spec and geometry
+            client.multiplexed = info.multiplexed  # from now on requests carry ids (current peers)
             welcomed = time.perf_counter()
             agent_name = self._add_peer(info.backend_metadata)
             loaded = time.perf_counter()

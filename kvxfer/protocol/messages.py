@@ -143,6 +143,9 @@ class PeerInfo(msgspec.Struct, frozen=True):
     host_id: Annotated[str, Meta(max_length=512)] = ""   # boot id + hostname: same host, same value
     ipc: IpcWire | None = None                          # CUDA IPC export of a VRAM cache
     staging: StagingWire | None = None                  # staging area serving PackRequests
+    # Appended: this agent's listener takes multiplexed requests (an id before each frame, echoed
+    # on the reply), so a client may keep several in flight on one session. Older peers: False.
+    multiplexed: bool = False
 
 
 class Hello(_Msg, frozen=True):
@@ -366,7 +369,7 @@ def new_engine_id(name: str) -> str:
 def make_peer_info(
     engine_id: str, agent_name: str, spec: KVSpec, geometry: CacheGeometry,
     backend_metadata: bytes, listen_host: str = "", listen_port: int = 0,
-    lease_timeout: float = 480.0,
+    lease_timeout: float = 480.0, multiplexed: bool = True,
 ) -> PeerInfo:
     """Build this agent's ``PeerInfo`` from its spec and geometry.
 
@@ -379,4 +382,5 @@ def make_peer_info(
         bases=geometry.bases.tolist(), device=int(geometry.device),
         mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
         listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
+        multiplexed=bool(multiplexed),
     )

@@ -1,62 +1,33 @@
-"""ZMQ side channel: one ROUTER listener per agent and one DEALER client per remote agent (layer: transport; the only kvxfer module that imports zmq; imports kvxfer.protocol, errors and types, never nixl).
+"""ZMQ side channel: one ROUTER listener per agent (layer: transport; with ``zmq_client`` the only kvxfer modules that import zmq; imports kvxfer.protocol, errors and types, never nixl).
 
 This module moves opaque frames; every decision about their content is made by the sans-IO
-sessions in ``kvxfer.protocol``. The server runs one daemon thread that owns its socket;
-the client is used under a lock, one request in flight at a time, each with a deadline.
+sessions in ``kvxfer.protocol``. The server runs one daemon thread that owns its socket. The
+client (one DEALER per remote agent, requests multiplexed by id) lives in ``zmq_client`` and is
+re-exported here.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import logging
-import math
 import threading
-import time
 from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvxfer.errors import (
-    ClosedError,
-    ConfigError,
-    PeerLostError,
-    ProtocolError,
-    TransferTimeoutError,
-)
+from kvxfer.errors import ClosedError, ConfigError
 from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession
 from kvxfer.transport.sessions import LogLimiter, SessionTable
+from kvxfer.transport.zmq_client import (
+    MUX_HEADER, MUX_MAGIC, PendingReply, SideChannelClient, check_port, endpoint, monitor_ids, shared_context,
+)
 
 __all__ = ["PendingReply", "SideChannelClient", "SideChannelServer", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the server thread checks for close(); not a correctness bound
-_context_lock = threading.Lock()
-_context: zmq.Context | None = None
-_monitor_ids = itertools.count()  # unique inproc names, even when a socket's fd is reused
-
-
-def _shared_context() -> zmq.Context:
-    """One private context for kvxfer's sockets (one I/O thread), never terminated."""
-    global _context
-    with _context_lock:
-        if _context is None or _context.closed:
-            _context = zmq.Context()
-        return _context
-
-
-def _endpoint(host: str, port: int | str) -> str:
-    if not isinstance(host, str) or not host:
-        raise ConfigError(f"side channel host must be a non-empty string; got {host!r}")
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def _check_port(port: object) -> int:
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ConfigError(f"side channel port must be an integer in [0, 65535]; got {port!r}")
-    return port
 
 
 class SideChannelServer:
@@ -86,7 +57,7 @@ class SideChannelServer:
                  max_bytes: int = DEFAULT_MAX_BYTES, max_clients: int = 4096, per_address: int = 256,
                  pinned: Callable[[ServerSession], bool] | None = None,
                  authenticated: bool | None = None, log_interval: float = 10.0):
-        _endpoint(host, _check_port(port))
+        endpoint(host, check_port(port))
         self.host, self.port = host, port
         self._make_session = make_session
         self._max_bytes = max_bytes
@@ -112,13 +83,13 @@ class SideChannelServer:
             raise ClosedError("side channel server was closed")
         if self._thread is not None:
             return self.host, self.port
-        sock = _shared_context().socket(zmq.ROUTER)
+        sock = shared_context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
         if ":" in self.host:
             sock.setsockopt(zmq.IPV6, 1)
         try:
-            sock.bind(_endpoint(self.host, self.port or "*"))
+            sock.bind(endpoint(self.host, self.port or "*"))
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise ConfigError(
@@ -127,9 +98,9 @@ class SideChannelServer:
             ) from None
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(bound.rsplit(":", 1)[1])
-        address = f"inproc://kvxfer-server-monitor-{next(_monitor_ids)}"
+        address = f"inproc://kvxfer-server-monitor-{next(monitor_ids)}"
         sock.monitor(address, zmq.EVENT_DISCONNECTED)
-        self._monitor = _shared_context().socket(zmq.PAIR)
+        self._monitor = shared_context().socket(zmq.PAIR)
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._monitor.connect(address)
         self._sock = sock
@@ -204,13 +175,16 @@ class SideChannelServer:
         identity = parts[0]
         with self._lock:
             self._frames += 1
-        if len(parts) == 2:          # DEALER client: [identity, frame]
+        if len(parts) == 2:          # DEALER client, one request at a time: [identity, frame]
             envelope, frame = parts[:1], parts[1]
         elif len(parts) == 3 and parts[1] == b"":  # REQ client: [identity, b"", frame]
             envelope, frame = parts[:2], parts[2]
         else:
             self._rejected("parts", f"dropped a message of {len(parts)} parts")
             return
+        mux = b""
+        if frame[:len(MUX_MAGIC)] == MUX_MAGIC and len(frame) >= MUX_HEADER:  # multiplexed: id, frame
+            mux, frame = frame[:MUX_HEADER], frame[MUX_HEADER:]
         with self._lock:
             session = self._table.get(identity)
         fresh = session is None
@@ -231,7 +205,7 @@ class SideChannelServer:
             with self._lock:
                 self._table.touch(identity, request=session.state == "ready" and session.rejected == before)
         try:
-            sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
+            sock.send_multipart([*envelope, mux + reply], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client went away or its queue is full
             self._rejected("unsent", f"reply not sent: {exc}")
 
@@ -274,205 +248,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-class SideChannelClient:
-    """Request/response to one remote agent's side channel over a DEALER socket.
-
-    Thread-safe: requests are serialised by a lock. After a failed request the socket is
-    discarded, so a late reply can never be taken for the answer to a later request.
-
-    Args:
-        host, port: the remote listener.
-        max_bytes: largest reply accepted; ZMQ drops a connection that sends more.
-    """
-
-    def __init__(self, host: str, port: int, max_bytes: int = DEFAULT_MAX_BYTES):
-        self.endpoint = _endpoint(host, _check_port(port))
-        self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        self._connected = False
-        self._dropped = False
-        self._ever_dropped = False  # sticky until the socket is replaced: see ``stale``
-        self._closed = False
-        self.generation = 0  # bumped whenever the socket (and so our identity at the server) is replaced
-
-    def stale(self) -> bool:
-        """Whether a session handshaken on this client may be gone at the server: its socket was
-        replaced (a new identity the server never saw) or its connection dropped since (the peer
-        may have restarted; ZMQ reconnects silently). Never blocks; False before the first request."""
-        if self._closed:
-            return True
-        if not self._lock.acquire(blocking=False):
-            return False  # a request is in flight: it will find out itself
-        try:
-            self._drain_monitor()
-            return self._ever_dropped
-        finally:
-            self._lock.release()
-
-    def _ensure(self) -> zmq.Socket:
-        if self._sock is None:
-            sock = _shared_context().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
-            if self.endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            address = f"inproc://kvxfer-monitor-{next(_monitor_ids)}"
-            sock.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            self._monitor = _shared_context().socket(zmq.PAIR)
-            self._monitor.setsockopt(zmq.LINGER, 0)
-            self._monitor.connect(address)
-            sock.connect(self.endpoint)
-            self._sock, self._connected, self._dropped = sock, False, False
-        return self._sock
-
-    def _drain_monitor(self) -> None:
-        while self._monitor is not None:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
-            except zmq.Again:
-                return
-            if event == zmq.EVENT_CONNECTED:
-                self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._dropped = self._dropped or self._connected
-                self._ever_dropped = self._ever_dropped or self._connected
-                self._connected = False
-
-    def _reset(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._sock.close(linger=0)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-        if self._sock is not None or self._monitor is not None:
-            self.generation += 1
-        self._sock = self._monitor = None
-        self._connected = self._dropped = self._ever_dropped = False
-
-    def request(self, frame: bytes, timeout: float) -> bytes:
-        """Send ``frame`` and return the reply frame, within ``timeout`` seconds.
-
-        Raises:
-            PeerLostError: nobody accepted the connection by the deadline, or the
-                connection dropped while waiting (peer died or restarted).
-            TransferTimeoutError: connected, but no reply by the deadline.
-            ProtocolError: ``frame`` is larger than ``max_bytes``, or the reply has extra parts.
-            ClosedError: after ``close()``.
-            ConfigError: ``timeout`` is not a positive finite number.
-        """
-        return self.send(frame, timeout).reply()
-
-    def send(self, frame: bytes, timeout: float) -> "PendingReply":
-        """Send ``frame`` now and return at once; ``reply()`` on the result waits for the answer.
-
-        The caller can work while the request travels. The channel stays held until the reply
-        is taken or ``cancel()`` is called: other requests on this client wait until then.
-        ``timeout`` counts from this call. Raises as ``request`` does for what fails before the
-        reply is awaited.
-        """
-        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds; got {timeout!r}")
-        if len(frame) > self._max_bytes:
-            raise ProtocolError(f"frame too large: expected <= {self._max_bytes} bytes; got {len(frame)}")
-        deadline = time.monotonic() + timeout
-        if not self._lock.acquire(timeout=timeout):
-            raise TransferTimeoutError(
-                f"side channel {self.endpoint}: another request held the channel for {timeout} s"
-            )
-        try:
-            self._send_locked(frame)
-        except BaseException:
-            self._lock.release()
-            raise
-        return PendingReply(self, timeout, deadline)
-
-    def _send_locked(self, frame: bytes) -> None:
-        if self._closed:
-            raise ClosedError(f"side channel client for {self.endpoint} was closed")
-        sock = self._ensure()
-        self._drain_monitor()
-        self._dropped = False  # a drop before this request is healed by ZMQ's reconnect
-        try:
-            sock.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            self._reset()
-            raise PeerLostError(f"side channel {self.endpoint}: cannot send: {exc}") from None
-
-    def _await_locked(self, timeout: float, deadline: float) -> bytes:
-        sock = self._sock
-        if sock is None:  # closed since the send
-            raise ClosedError(f"side channel client for {self.endpoint} was closed")
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while (remaining := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(max(1, math.ceil(remaining * 1000))))
-            if self._monitor in ready:
-                self._drain_monitor()
-                if self._dropped:
-                    self._reset()
-                    raise PeerLostError(
-                        f"side channel {self.endpoint}: connection dropped while waiting for a reply"
-                    )
-            if sock in ready:
-                parts = sock.recv_multipart()
-                if len(parts) != 1:
-                    self._reset()
-                    raise ProtocolError(f"reply: expected 1 frame; got {len(parts)} parts")
-                return parts[0]
-        self._drain_monitor()
-        connected = self._connected
-        self._reset()
-        if connected:
-            raise TransferTimeoutError(f"side channel {self.endpoint}: no reply within {timeout} s")
-        raise PeerLostError(
-            f"side channel {self.endpoint}: no connection within {timeout} s (is the peer running?)"
-        )
-
-    def close(self) -> None:
-        """Discard the socket; later requests raise ClosedError. Idempotent."""
-        with self._lock:
-            self._closed = True
-            self._reset()
-
-    def __enter__(self) -> "SideChannelClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class PendingReply:
-    """A request ``SideChannelClient.send`` sent; it holds the client until finished."""
-
-    def __init__(self, client: SideChannelClient, timeout: float, deadline: float) -> None:
-        self._client, self._timeout, self._deadline = client, timeout, deadline
-        self._open = True
-
-    def reply(self) -> bytes:
-        """Wait for the reply frame (raises as ``SideChannelClient.request``); once only."""
-        if not self._open:
-            raise ProtocolError("this request's reply was already taken or cancelled")
-        try:
-            return self._client._await_locked(self._timeout, self._deadline)
-        finally:
-            self._finish()
-
-    def cancel(self) -> None:
-        """Give the reply up: the socket is discarded, so it can never answer a later request."""
-        if self._open:
-            try:
-                self._client._reset()
-            finally:
-                self._finish()
-
-    def _finish(self) -> None:
-        self._open = False
-        self._client._lock.release()

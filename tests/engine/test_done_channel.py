@@ -1,10 +1,11 @@
-"""``Done`` notices travel on a side-channel session of their own, never on the link's.
+"""``Done`` notices travel on the link's own session, multiplexed: never a second session, and a
+notice never waits for (nor holds up) a request in flight on the same link.
 
-A notice on the link's session would hold the link's lock for a round trip exactly when the
-next request's claim wants it (back-to-back reads then claim only after the previous read's notice).
+A notice queued behind the link's pending claim would delay back-to-back reads; before requests
+carried ids, a second session per producer rank (a second ZMQ connection and Hello) avoided that.
 """
 
-from kvxfer.protocol import Heartbeat, HeartbeatAck
+from kvxfer.protocol import Claim, Grant, Heartbeat, HeartbeatAck
 
 from agent_helpers import spec, wait_for
 
@@ -17,40 +18,31 @@ def _seen(agent):
     return seen
 
 
-def test_done_is_delivered_while_the_links_session_is_busy(harness):
+def test_done_is_delivered_while_a_request_on_the_link_awaits_its_answer(harness):
     s = spec()
     prod, _ = harness.agent(s)
     cons, _ = harness.agent(s, listen=False)
     link = cons.connect(*prod.address)
     prod.hold("r", [1, 2])
+    prod.hold("q", [3])
     seen = _seen(prod)
-    with link.lock:  # as if a claim were waiting for its reply on the link's session
-        cons._done.send(link, "r")
-        assert wait_for(lambda: "Done" in seen), "the notice waited for the link's session"
-    # the link's own session still answers afterwards
-    assert isinstance(link.ask(Heartbeat(["r"], cons.engine_id), 2.0), HeartbeatAck)
+    claim = Claim("q", [3], cons.engine_id)
+    pending = link.send(claim, 2.0)  # a claim in flight, its answer not taken yet
+    cons._done.send(link, "r")
+    assert wait_for(lambda: "Done" in seen), "the notice waited for the link's pending request"
+    assert wait_for(lambda: not prod.holding("r"))
+    assert isinstance(pending.answer(), Grant)
+    assert isinstance(link.ask(Heartbeat(["q"], cons.engine_id), 2.0), HeartbeatAck)
 
 
-def test_notice_channel_is_dropped_when_its_link_closes(harness):
+def test_notices_open_no_second_session(harness):
     s = spec()
     prod, _ = harness.agent(s)
     cons, _ = harness.agent(s, listen=False)
     link = cons.connect(*prod.address)
     seen = _seen(prod)
-    cons._done.send(link, "r")
-    assert wait_for(lambda: "Done" in seen)
-    assert wait_for(lambda: len(cons._done._channels) == 1)
-    link.close()
-    assert wait_for(lambda: not cons._done._channels), "the closed link's notice channel was kept"
-
-
-def test_a_notice_channel_opens_its_own_server_session(harness):
-    """Two sessions from the one consumer: the link's and the notices' (one extra Hello, no NIXL)."""
-    s = spec()
-    prod, _ = harness.agent(s)
-    cons, _ = harness.agent(s, listen=False)
-    link = cons.connect(*prod.address)
-    before = [p.engine_id for p in prod._server.peers()]
-    cons._done.send(link, "r")
-    assert wait_for(lambda: len(prod._server.peers()) == len(before) + 1)
-    assert {p.engine_id for p in prod._server.peers()} == {cons.engine_id}
+    for i in range(3):
+        cons._done.send(link, f"r{i}")
+    assert wait_for(lambda: seen.count("Done") == 3)
+    assert [p.engine_id for p in prod._server.peers()] == [cons.engine_id]
+    assert prod._server.counters()["sessions"] == 1

@@ -23,8 +23,10 @@ from kvxfer.protocol.messages import IpcWire
 
 from proto_helpers import codec, info, spec
 
-#: The appended PeerInfo fields an old peer neither sends nor reads.
+#: The appended PeerInfo fields an old peer neither sends nor reads: the GPU paths, then the
+#: multiplexed listener (request ids on the side channel).
 GPU_FIELDS = ("host_id", "ipc", "staging")
+NEWER_FIELDS = GPU_FIELDS + ("multiplexed",)
 #: The messages the old peer's union does not have.
 NEWER = (Done, PackRequest, PackReady)
 
@@ -48,7 +50,7 @@ def old_struct(cls: type, drop: tuple[str, ...] = (), retype: dict | None = None
                              tag=cfg.tag, tag_field=cfg.tag_field)
 
 
-OldPeerInfo = old_struct(PeerInfo, drop=GPU_FIELDS)
+OldPeerInfo = old_struct(PeerInfo, drop=NEWER_FIELDS)
 OldHello = old_struct(Hello, retype={"info": OldPeerInfo})
 OldWelcome = old_struct(Welcome, retype={"info": OldPeerInfo})
 OLD_MESSAGE = Union[tuple({Hello: OldHello, Welcome: OldWelcome}.get(t, t)  # noqa: UP007
@@ -89,9 +91,10 @@ def test_appended_fields_are_last_and_defaulted():
     """The evolution rule an old peer relies on: the GPU-path fields come after every older field
     and have defaults meaning 'not offered' (a required or reordered field would break old peers)."""
     fields = msgspec.structs.fields(PeerInfo)
-    assert tuple(f.name for f in fields[-len(GPU_FIELDS):]) == GPU_FIELDS
-    assert {f.name: f.default for f in fields[-len(GPU_FIELDS):]} == dict(host_id="", ipc=None, staging=None)
-    assert OLD_FIELDS == tuple(f.name for f in fields[:-len(GPU_FIELDS)])
+    assert tuple(f.name for f in fields[-len(NEWER_FIELDS):]) == NEWER_FIELDS
+    assert {f.name: f.default for f in fields[-len(NEWER_FIELDS):]} == dict(host_id="", ipc=None, staging=None,
+                                                                           multiplexed=False)
+    assert OLD_FIELDS == tuple(f.name for f in fields[:-len(NEWER_FIELDS)])
 
 
 def test_old_hello_decodes_with_gpu_path_defaults_and_every_other_field_intact():
@@ -101,8 +104,9 @@ def test_old_hello_decodes_with_gpu_path_defaults_and_every_other_field_intact()
     frame = old_codec().encode(OldHello(old_info(current)))
     msg = codec().decode(frame)
     assert isinstance(msg, Hello)
-    assert (msg.info.host_id, msg.info.ipc, msg.info.staging) == ("", None, None)
-    assert msg.info == current  # the test PeerInfo has the defaults: all fields compare
+    assert (msg.info.host_id, msg.info.ipc, msg.info.staging, msg.info.multiplexed) == ("", None, None, False)
+    # every other field compares (the test PeerInfo has the GPU defaults; an old peer is not multiplexed)
+    assert msg.info == msgspec.structs.replace(current, multiplexed=False)
     spec_, geometry = check_peer_info(msg.info, codec().compat)
     assert spec_ == spec() and geometry.bases.tolist() == current.bases
 
