@@ -62,6 +62,10 @@ class AgentConfig:
             so each agent keeps one core busy even when idle; on hosts with few cores turn it off:
             the agent's progress loop then drives UCX (transports that need the target to progress,
             such as TCP, move data only when the producer's loop polls, every 1 ms while it holds blocks).
+        metrics_port: serve Prometheus metrics over HTTP on this port (env ``KVXFER_METRICS_PORT``;
+            ``None``, the default: no metrics; ``0``: a free port, read it from ``Agent.metrics_address``).
+            Binds ``side_channel_host`` when set, else every interface. Needs ``prometheus-client``
+            (``pip install kvxfer[metrics]``); docs/metrics.md lists the metrics.
     """
 
     side_channel_host: str | None = None
@@ -80,6 +84,7 @@ class AgentConfig:
     pipeline_slot_bytes: int = 16 << 20
     pipeline_slots: int = 8
     nixl_progress_thread: bool = True
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.backends, str) or not all(isinstance(b, str) and b for b in self.backends):
@@ -106,6 +111,10 @@ class AgentConfig:
             raise ConfigError(f"pipeline_slots must be an integer in [1, 4096]; got {self.pipeline_slots!r}")
         if not isinstance(self.nixl_progress_thread, bool):
             raise ConfigError(f"nixl_progress_thread must be True or False; got {self.nixl_progress_thread!r}")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool)
+                                              or not isinstance(self.metrics_port, int)
+                                              or not 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port must be an integer in [0, 65535] or None; got {self.metrics_port!r}")
         if isinstance(self.auth_key, str):
             object.__setattr__(self, "auth_key", self.auth_key.encode())
 
@@ -134,6 +143,15 @@ class AgentConfig:
             if flag not in ("0", "1", "true", "false", "on", "off"):
                 raise ConfigError(f"KVXFER_NIXL_PROGRESS_THREAD must be 0 or 1; got {thread!r}")
             values["nixl_progress_thread"] = flag in ("1", "true", "on")
+        metrics = os.environ.get("KVXFER_METRICS_PORT")
+        if metrics and metrics.strip():
+            try:
+                port = int(metrics.strip())
+            except ValueError:
+                port = -1
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"KVXFER_METRICS_PORT must be a port number in [0, 65535]; got {metrics!r}")
+            values["metrics_port"] = port
         values.update(overrides)
         return cls(**values)
 

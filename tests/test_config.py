@@ -19,3 +19,29 @@ def test_nixl_progress_thread_defaults_on_and_rejects_junk(monkeypatch):
         AgentConfig.from_env()
     with pytest.raises(ConfigError, match="nixl_progress_thread must be True or False; got 'yes'"):
         AgentConfig(nixl_progress_thread="yes")
+
+
+@pytest.mark.parametrize("raw,want", [("9100", 9100), (" 0 ", 0), ("", None)])
+def test_metrics_port_from_env(monkeypatch, raw, want):
+    monkeypatch.setenv("KVXFER_METRICS_PORT", raw)
+    assert AgentConfig.from_env().metrics_port == want
+
+
+def test_metrics_port_defaults_off_and_overrides_win(monkeypatch):
+    monkeypatch.delenv("KVXFER_METRICS_PORT", raising=False)
+    assert AgentConfig().metrics_port is None and AgentConfig.from_env().metrics_port is None
+    monkeypatch.setenv("KVXFER_METRICS_PORT", "9100")
+    assert AgentConfig.from_env(metrics_port=None).metrics_port is None
+
+
+@pytest.mark.parametrize("raw", ["http", "-1", "65536", "9100.5"])
+def test_metrics_port_env_junk_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("KVXFER_METRICS_PORT", raw)
+    with pytest.raises(ConfigError, match=f"KVXFER_METRICS_PORT must be a port number in \\[0, 65535\\]; got '{raw}'"):
+        AgentConfig.from_env()
+
+
+@pytest.mark.parametrize("bad", [-1, 65536, True, 9100.0, "9100"])
+def test_metrics_port_field_is_checked(bad):
+    with pytest.raises(ConfigError, match="metrics_port must be an integer in \\[0, 65535\\] or None"):
+        AgentConfig(metrics_port=bad)
