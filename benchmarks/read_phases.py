@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import kvxfer.agent.core as core
-import kvxfer.agent.reading as reading
+import kvxfer.engine.paths.reading as reading
 from kvxfer import Agent, AgentConfig, KVSpec
 
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")

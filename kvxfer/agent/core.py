@@ -17,11 +17,11 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from kvxfer.agent.accel import PathKit
-from kvxfer.agent.packing import PackServer
+from kvxfer.engine.paths.kit import PathKit
+from kvxfer.engine.paths.packing import PackServer
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
-from kvxfer.agent.reading import plan_read
+from kvxfer.engine.paths.reading import plan_read
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend

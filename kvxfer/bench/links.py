@@ -1,8 +1,8 @@
 """Message plumbing between the benchmark's processes (layer: bench app; uses a Backend's notifications).
 
 ``Mailbox`` drains one backend's notifications and sorts them by sender into pipeline
-messages (for ``kvxfer.gpu.staged``) and control messages (``GO`` at the start of a timed
-iteration); ``PeerLink`` is the ``kvxfer.gpu.staged.Link`` for one peer.
+messages (for ``kvxfer.engine.paths.pipeline``) and control messages (``GO`` at the start of a timed
+iteration); ``PeerLink`` is the ``kvxfer.engine.paths.pipeline.Link`` for one peer.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Mailbox:
 
 
 class PeerLink:
-    """``kvxfer.gpu.staged.Link`` to one peer over a ``Mailbox``."""
+    """``kvxfer.engine.paths.pipeline.Link`` to one peer over a ``Mailbox``."""
 
     def __init__(self, mailbox: Mailbox, peer: str) -> None:
         self.mailbox, self.peer = mailbox, peer

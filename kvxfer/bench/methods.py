@@ -9,7 +9,7 @@ the expected cache. Methods:
   connectors issue), prepared lists, one ``make_prepped_xfer`` per producer per request;
 * ``nixl-1desc``: raw NIXL, the request's bytes as one descriptor per producer (the link's
   NIXL figure; moves contiguous buffers, not the cache);
-* ``kvxfer-staged-read`` / ``-write``: ``kvxfer.gpu.staged`` pipelines (pack, move, unpack);
+* ``kvxfer-staged-read`` / ``-write``: ``kvxfer.engine.paths.pipeline`` pipelines (pack, move, unpack);
 * ``kvxfer-ipc``: ``kvxfer.gpu`` single pass through CUDA IPC (same host only);
 * ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end (CPU and GPU; on GPUs
   ``--gpu-path`` forces the Agent's path: auto, ipc, staged or direct).
@@ -180,7 +180,7 @@ def _each(requests, fn) -> None:
 def staged(w, requests, tokens, iters, warmup, options, direction: str):
     """Consumer half of ``kvxfer-staged-read`` / ``-write``."""
     from kvxfer.gpu.pairs import unpack_pairs  # noqa: PLC0415
-    from kvxfer.gpu.staged import fetch_read, receive_write  # noqa: PLC0415
+    from kvxfer.engine.paths.pipeline import fetch_read, receive_write  # noqa: PLC0415
 
     slot_bytes = options.get("piece_bytes") or w.area.slot_bytes
     per = w.area.slots // len(requests)
@@ -333,7 +333,7 @@ def peer_copy(w, src_device, nbytes, iters, warmup):
 # ---- producer halves ------------------------------------------------------------------------
 def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
     from kvxfer.gpu.pairs import pack_pairs  # noqa: PLC0415
-    from kvxfer.gpu.staged import push_write, serve_read  # noqa: PLC0415
+    from kvxfer.engine.paths.pipeline import push_write, serve_read  # noqa: PLC0415
 
     slot_bytes = options.get("piece_bytes") or w.area.slot_bytes
     info = w.peers[consumer]

@@ -83,7 +83,7 @@ class Worker:
                 "slot_bytes": slot_bytes}
         if kind is MemKind.VRAM:
             from kvxfer.gpu.ops import PairKernel  # noqa: PLC0415
-            from kvxfer.gpu.staged import StagingArea  # noqa: PLC0415
+            from kvxfer.engine.paths.pipeline import StagingArea  # noqa: PLC0415
 
             self.kernel = PairKernel(dev)
             self.area = StagingArea(self.backend, dev, slot_bytes, slots)

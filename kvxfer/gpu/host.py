@@ -1,6 +1,6 @@
 """Host twins of the GPU executors: the pair-copy "kernel" on host memory (layer: gpu; numpy only, never nixl/zmq).
 
-``HostPairKernel`` has what ``kvxfer.gpu.staged`` needs of a ``PairKernel`` (``device``,
+``HostPairKernel`` has what ``kvxfer.engine.paths.pipeline`` needs of a ``PairKernel`` (``device``,
 ``launch(copy, stream)`` and a ``cp.cuda`` namespace with ``Device``, ``Stream`` and
 ``Event``), so the staged pipeline with producer-side pack runs unchanged on DRAM caches:
 CI exercises the whole protocol between two processes over real NIXL without a GPU. Copies

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvxfer.agent.accel import PathKit
+from kvxfer.engine.paths.kit import PathKit
 from kvxfer.errors import ConfigError
 from kvxfer.protocol import Done, Message, PackReady, PackRequest
 from kvxfer.protocol.messages import IpcWire

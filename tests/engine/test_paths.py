@@ -1,12 +1,12 @@
-"""The per-request path choice (``kvxfer.agent.paths.choose_path``) and pipeline routing, as pure logic."""
+"""The per-request path choice (``kvxfer.engine.paths.choose.choose_path``) and pipeline routing, as pure logic."""
 
 import pytest
 
-from kvxfer.agent.paths import MANY_DESCRIPTORS, SHORT_DESCRIPTOR, PathFacts, choose_path
-from kvxfer.agent.pipes import PipeRouter
+from kvxfer.engine.paths.choose import MANY_DESCRIPTORS, SHORT_DESCRIPTOR, PathFacts, choose_path
+from kvxfer.engine.paths.pipes import PipeRouter
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError
-from kvxfer.gpu.staged import FREE, READY, PipeMessage
+from kvxfer.engine.paths.pipeline import FREE, READY, PipeMessage
 
 
 def facts(ipc=None, staged=None, direct=None, vram=True, descriptors=4096, num_bytes=4096 * 32768):

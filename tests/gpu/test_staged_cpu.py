@@ -17,7 +17,7 @@ from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.errors import ProtocolError
 from kvxfer.gpu.ops import pair_copy_numpy
 from kvxfer.gpu.pairs import pack_pairs, unpack_pairs
-from kvxfer.gpu.staged import (DATA, PipeMessage, StagingArea, fetch_read, push_write, receive_write,
+from kvxfer.engine.paths.pipeline import (DATA, PipeMessage, StagingArea, fetch_read, push_write, receive_write,
                                serve_read, split_pieces)
 from kvxfer.layout.spec import CacheGeometry, KVSpec
 

@@ -1,4 +1,4 @@
-"""Which way one read moves: CUDA IPC, staged pipeline or direct descriptors (layer: agent; pure).
+"""Which way one read moves: CUDA IPC, staged pipeline or direct descriptors (layer: engine; pure).
 
 ``choose_path`` is the whole policy, a pure function of the configured ``transfer_path`` and
 a few facts about the request, so it is tested on its own (tests/engine/test_paths.py).

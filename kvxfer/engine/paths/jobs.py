@@ -1,4 +1,4 @@
-"""Transfer parts that move their own bytes: an IPC kernel, a staged pipeline half (layer: agent).
+"""Transfer parts that move their own bytes: an IPC kernel, a staged pipeline half (layer: engine; never nixl, zmq or the agent).
 
 Both satisfy ``kvxfer.engine.transfers.Job``: ``poll`` never blocks (the progress thread
 calls it), ``cancel`` returns only once nothing the job started can still write memory.
@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from kvxfer.errors import KvxferError, TransferFailedError
 
-from kvxfer.agent.pipes import PipeLink
+from kvxfer.engine.paths.pipes import PipeLink
 
 __all__ = ["IpcJob", "PipelineJob"]
 

@@ -1,4 +1,4 @@
-"""One agent's resources for the IPC and staged paths (layer: agent, the composition root).
+"""One agent's resources for the IPC and staged paths (layer: engine; never nixl, zmq or the agent).
 
 ``PathKit`` is built when the cache is registered: the pair-copy kernel (``PairKernel`` on a
 GPU, ``HostPairKernel`` on host memory), the staging area that serves and receives staged
@@ -22,12 +22,12 @@ from kvxfer.errors import ConfigError, KvxferError, RegistrationError, TransferT
 from kvxfer.gpu.host import HostPairKernel
 from kvxfer.gpu.ops import cupy_missing
 from kvxfer.gpu.ipc import IpcExport, IpcPeerCache, export_cache, host_identity
-from kvxfer.gpu.staged import SlotRange, StagingArea, host_allocate
+from kvxfer.engine.paths.pipeline import SlotRange, StagingArea, host_allocate
 from kvxfer.layout import CacheView
 from kvxfer.protocol.messages import IpcWire, StagingWire
 from kvxfer.types import MemKind
 
-from kvxfer.agent.pipes import PipeRouter
+from kvxfer.engine.paths.pipes import PipeRouter
 
 __all__ = ["PathKit"]
 

@@ -1,4 +1,4 @@
-"""The producer half of a staged read: check a ``PackRequest``, then pack and serve it (layer: agent).
+"""The producer half of a staged read: check a ``PackRequest``, then pack and serve it (layer: engine; never nixl, zmq or the agent).
 
 Everything in a ``PackRequest`` comes from a peer, so it is checked before anything changes:
 block ids inside both caches, the head range equal to the heads the two ranks share, the
@@ -21,14 +21,14 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError, LeaseExpiredError, ProtocolError
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.gpu.pairs import pack_pairs
-from kvxfer.gpu.staged import serve_read
+from kvxfer.engine.paths.pipeline import serve_read
 from kvxfer.layout import CacheView
 from kvxfer.protocol import PackReady, PeerInfo, Refuse, spec_from_wire
 from kvxfer.protocol.messages import PackRequest
 
-from kvxfer.agent.accel import PathKit
-from kvxfer.agent.jobs import PipelineJob
-from kvxfer.agent.reading import shared_heads
+from kvxfer.engine.paths.kit import PathKit
+from kvxfer.engine.paths.jobs import PipelineJob
+from kvxfer.engine.paths.reading import shared_heads
 
 __all__ = ["PackServer"]
 

@@ -1,4 +1,4 @@
-"""The staged GPU pipeline: pack -> move -> unpack in pieces, overlapped (layer: gpu; imports backend.base, never nixl/zmq; cupy lazily).
+"""The staged GPU pipeline: pack -> move -> unpack in pieces, overlapped (layer: engine: only the engine posts to the backend; imports backend.base and gpu, never nixl/zmq; cupy lazily).
 
 A request's pairs (``kvxfer.gpu.pairs``, wire order) are cut into *pieces* that each fit one
 *slot* of a ``StagingArea`` (a device buffer allocated and registered once, then reused; its

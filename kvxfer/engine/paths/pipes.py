@@ -1,6 +1,6 @@
-"""Staged-pipeline messages over the backend's notifications, routed by tag (layer: agent).
+"""Staged-pipeline messages over the backend's notifications, routed by tag (layer: engine; never nixl, zmq or the agent).
 
-The staged pipeline (``kvxfer.gpu.staged``) talks in 20-byte ``PipeMessage`` records. They
+The staged pipeline (``kvxfer.engine.paths.pipeline``) talks in 20-byte ``PipeMessage`` records. They
 travel as backend notifications next to the request-done notifications of ordinary reads;
 the progress loop hands every notification to ``PipeRouter.deliver`` first, which claims
 the pipeline ones (recognised by their magic prefix) and queues them on the ``PipeLink``
@@ -20,7 +20,7 @@ import threading
 
 from kvxfer.backend.base import Backend
 from kvxfer.errors import KvxferError, ProtocolError
-from kvxfer.gpu.staged import PipeMessage, is_pipe_message
+from kvxfer.engine.paths.pipeline import PipeMessage, is_pipe_message
 
 __all__ = ["PipeLink", "PipeRouter"]
 
@@ -28,7 +28,7 @@ log = logging.getLogger("kvxfer.agent")
 
 
 class PipeLink:
-    """``kvxfer.gpu.staged.Link`` for one transfer with one peer.
+    """``kvxfer.engine.paths.pipeline.Link`` for one transfer with one peer.
 
     Args:
         backend, peer: where ``send`` goes (the backend's name for the peer).

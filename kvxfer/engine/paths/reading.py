@@ -1,4 +1,4 @@
-"""The consumer half of ``Agent.read``: choose a path, then build the request's parts (layer: agent).
+"""The consumer half of ``Agent.read``: choose a path, then build the request's parts (layer: engine; never nixl, zmq or the agent).
 
 ``plan_read`` runs before the claim (it validates the ids through the layout plan and picks
 the path with ``choose_path``); ``ReadRoute.start`` returns the engine ``Part`` of each
@@ -31,7 +31,7 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
 from kvxfer.engine.transfers import Part
 from kvxfer.gpu.pairs import direct_pairs, overlap, unpack_pairs
-from kvxfer.gpu.staged import fetch_read
+from kvxfer.engine.paths.pipeline import fetch_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.request import check_block_ids
 from kvxfer.layout.tp import head_range
@@ -39,9 +39,9 @@ from kvxfer.protocol import PackReady, Refuse
 from kvxfer.protocol.messages import PackRequest
 from kvxfer.types import MemKind
 
-from kvxfer.agent.accel import PathKit
-from kvxfer.agent.jobs import IpcJob, PipelineJob
-from kvxfer.agent.paths import PathFacts, choose_path
+from kvxfer.engine.paths.kit import PathKit
+from kvxfer.engine.paths.jobs import IpcJob, PipelineJob
+from kvxfer.engine.paths.choose import PathFacts, choose_path
 
 __all__ = ["ReadRoute", "plan_read", "shared_heads", "new_tag"]
 
