@@ -22,6 +22,7 @@ from kvxfer.engine.paths.packing import PackServer
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.engine.paths.reading import plan_read
+from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
@@ -99,6 +100,14 @@ class Agent:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
         self._thread.start()
+        self._metrics: AgentMetrics | None = None
+        if self.config.metrics_port is not None:
+            try:
+                self._metrics = AgentMetrics(self.stats, self.config.metrics_port,
+                                             self.config.side_channel_host, self.engine_id)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- set-up --------------------------------------------------------------------
     def register(self, tensors) -> None:
@@ -140,6 +149,11 @@ class Agent:
         self._address = self._server.start()
         log.info("agent %s listening on %s:%d", self.engine_id, *self._address)
         return self._address
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where Prometheus metrics are served (``config.metrics_port``), or None when off."""
+        return self._metrics.address if self._metrics is not None else None
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -259,6 +273,8 @@ class Agent:
             self._abort_claims(request_id)
             raise
         handle.add_done_callback(self._on_read_done)
+        if self._metrics is not None:
+            handle.add_done_callback(partial(self._metrics.observe, "read", route.mode))
         self._wake.set()
         return handle
 
@@ -300,6 +316,8 @@ class Agent:
             parts.append(Part(link.agent_name, _Reversed(req), link.view.geometry.kind, note))
         timeout = self.config.transfer_timeout if timeout is None else timeout
         handle = self._engine.submit(request_id, Direction.WRITE, parts, timeout=timeout)
+        if self._metrics is not None:
+            handle.add_done_callback(partial(self._metrics.observe, "write", "direct"))
         self._wake.set()
         return handle
 
@@ -382,6 +400,8 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        if self._metrics is not None:
+            self._metrics.close()
         self._wake.set()
         self._thread.join(timeout=5)
         if self._server is not None:
@@ -433,10 +453,6 @@ class Agent:
 
         ranks = notify_ranks(self.spec, tp)
         return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
-
-    def _claim(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink]) -> None:
-        """Claim from every producer rank at once; if any refuses or is lost, undo the grants and raise."""
-        self._claim_answers(request_id, self._claim_send(request_id, remote_ids, links))
 
     def _claim_send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink],
                     window: float = 0.0) -> list:
