@@ -21,8 +21,9 @@ from kvxfer.errors import ConfigError
 
 __all__ = ["AgentMetrics", "PATHS", "load_prometheus"]
 
-#: Values of the ``path`` label: how a transfer moved its bytes (``TransferStats.mode``).
-PATHS = ("direct", "staged", "ipc")
+#: Values of the ``path`` label: how a transfer moved its bytes (``TransferStats.mode``, a
+#: ``TransferPath`` value; "host-staged": descriptors into host staging, unpacked on the consumer).
+PATHS = ("direct", "host-staged", "staged", "ipc")
 
 # Claims and transfers of one request: from tens of microseconds (same host) to the 120 s
 # default transfer timeout.
@@ -141,13 +142,15 @@ class AgentMetrics:
         """A transfer handle's done-callback: count it by outcome; on success, its bytes and times.
 
         ``path`` names the path for a failed handle (it has no stats); a succeeded one reports its own.
+        Runs on the completing thread after the handle is done: a waiter may see the handle done
+        a moment before the counters move.
         """
         error = handle.exception()
         if error is not None:
-            self.transfers.labels(direction, path, type(error).__name__).inc()
+            self.transfers.labels(direction, _label(path), type(error).__name__).inc()
             return
         stats = handle.wait(0)
-        path = stats.mode
+        path = _label(stats.mode)
         self.transfers.labels(direction, path, "ok").inc()
         self.bytes.labels(direction, path).inc(stats.num_bytes)
         self.seconds.labels(direction, path).observe(stats.seconds)
@@ -164,6 +167,11 @@ class AgentMetrics:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def _label(path) -> str:
+    """A path (``TransferPath`` member or string) as its label value."""
+    return str(getattr(path, "value", path))
 
 
 class _Server(ThreadingMixIn, WSGIServer):
