@@ -55,12 +55,20 @@ def _serve(agent, holds: dict, cmd, out, commands: dict) -> None:
             out.put(commands[what](agent))
 
 
-def _producer(cmd, out, seed: int, host: str, port: int, holds: dict, cfg: dict,
-              stderr_path: str | None = None, netns: str | None = None) -> None:
+def _enter(host: str, netns: str | None) -> None:
+    """Move this fresh child into ``netns`` and keep UCX off the shared-memory transports: two
+    namespaces of one machine still share its memory, and real hosts do not (UCX's cma would
+    move the bytes without touching the network)."""
     if netns is not None:
         from kvxfer.bench.hosts import Host
 
         Host(netns, host, "").enter()
+        os.environ["UCX_TLS"] = "tcp"
+
+
+def _producer(cmd, out, seed: int, host: str, port: int, holds: dict, cfg: dict,
+              stderr_path: str | None = None, netns: str | None = None, spec_kwargs: dict | None = None) -> None:
+    _enter(host, netns)
     if stderr_path is not None:
         fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 2)
@@ -68,7 +76,7 @@ def _producer(cmd, out, seed: int, host: str, port: int, holds: dict, cfg: dict,
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    spec = KVSpec(**COMMON)
+    spec = KVSpec(**(spec_kwargs or COMMON))
     config = AgentConfig(side_channel_host=host, side_channel_port=port, nixl_progress_thread=False, **cfg)
     with Agent("producer", spec, config) as agent:
         agent.register(cache_for(spec, seed))
@@ -86,8 +94,9 @@ class Peer(ProducerProcess):
     """A producer rank in a spawned process (see the module docstring)."""
 
     def __init__(self, seed: int, port: int, holds: dict, *, host: str = "127.0.0.1",
-                 stderr_path: str | None = None, netns: str | None = None, **cfg) -> None:
-        super().__init__(_producer, seed, host, port, holds, cfg, stderr_path, netns)
+                 stderr_path: str | None = None, netns: str | None = None, spec_kwargs: dict | None = None,
+                 **cfg) -> None:
+        super().__init__(_producer, seed, host, port, holds, cfg, stderr_path, netns, spec_kwargs)
 
     def ask(self, what: str, timeout: float = 60.0):
         return super().ask(what, timeout)
@@ -160,3 +169,62 @@ def send_hellos(address, frames, window: int = 300, timeout: float = 10.0) -> in
         while open_socks:
             open_socks.popleft().close(0)
     return replies
+
+
+# ---- a consumer in a process of its own (for the two-namespace tests) -------------------------
+
+def _consumer(cmd, out, seed: int, host: str, netns: str | None, cfg: dict, spec_kwargs: dict | None) -> None:
+    _enter(host, netns)
+    from kvxfer.errors import KvxferError
+
+    spec = KVSpec(**(spec_kwargs or COMMON))
+    config = AgentConfig(side_channel_host=host, side_channel_port=free_port_block(1),
+                         nixl_progress_thread=False, **cfg)
+    handles: dict = {}
+    with Agent("consumer", spec, config) as agent:
+        cache = cache_for(spec, 99)
+        agent.register(cache)
+        out.put(("ready", None))
+        while True:
+            what = cmd.get(timeout=300)
+            if what == "stop":
+                return
+            kind, args = what[0], what[1:]
+            t0 = time.monotonic()
+            try:
+                if kind == "start":  # (address, rid, dst, src, timeout): claim and post, do not wait
+                    address, rid, dst, src, timeout = args
+                    handles[rid] = (agent.read(tuple(address), dst, src, rid, timeout=timeout), dst, src)
+                    out.put(("started", time.monotonic() - t0))
+                    continue
+                rid, producer_seed = args  # ("wait", rid, producer seed): the outcome, bytes checked
+                handle, dst, src = handles.pop(rid)
+                handle.wait(600)
+                want = cache_for(spec, producer_seed)
+                exact = all(np.array_equal(cache[layer][:, dst], want[layer][:, src])
+                            for layer in range(spec.num_layers))
+                out.put(("ok", exact, time.monotonic() - t0))
+            except KvxferError as exc:
+                out.put(("error", type(exc).__name__, str(exc)[:300], time.monotonic() - t0))
+
+
+class ConsumerProcess(ProducerProcess):
+    """A consumer agent in a spawned process (optionally inside network namespace ``netns``).
+
+    ``start(address, rid, dst, src, timeout)`` claims and posts a read and returns at once;
+    ``wait(rid, producer_seed)`` returns ``("ok", exact, seconds)`` or ``("error", name, text, seconds)``.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", netns: str | None = None, spec_kwargs: dict | None = None,
+                 **cfg) -> None:
+        super().__init__(_consumer, 99, host, netns, cfg, spec_kwargs)
+
+    def start(self, address, rid: str, dst, src, timeout: float):
+        return self.ask(("start", tuple(address), rid, list(dst), list(src), timeout), 120)
+
+    def wait(self, rid: str, producer_seed: int):
+        return self.ask(("wait", rid, producer_seed), 700)
+
+    def read(self, address, rid: str, dst, src, producer_seed: int, timeout: float = 60.0):
+        started = self.start(address, rid, dst, src, timeout)
+        return started if started[0] != "started" else self.wait(rid, producer_seed)
