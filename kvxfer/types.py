@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AbortOutcome", "MemKind", "Region", "XferState", "Direction"]
+__all__ = ["AbortOutcome", "MemKind", "Region", "ReleaseReason", "TransferPath", "XferState", "Direction"]
 
 
 class MemKind(str, enum.Enum):
@@ -20,6 +20,33 @@ class Direction(str, enum.Enum):
 
     READ = "READ"
     WRITE = "WRITE"
+
+
+class TransferPath(str, enum.Enum):
+    """How a request's bytes move (``TransferStats.mode``; ``AgentConfig.transfer_path`` also
+    takes AUTO). Members compare equal to their strings.
+
+    DIRECT: NIXL descriptors straight between the two caches. HOST_STAGED: NIXL descriptors
+    into the consumer's host staging buffer, unpacked into the cache (a layout change on host
+    memory). STAGED: the producer packs into its staging slots, a few large NIXL reads move
+    them, the consumer unpacks (pipelined). IPC: one kernel reads the peer's GPU cache through
+    CUDA IPC (same host).
+    """
+
+    AUTO = "auto"
+    DIRECT = "direct"
+    HOST_STAGED = "host-staged"
+    STAGED = "staged"
+    IPC = "ipc"
+
+
+class ReleaseReason(str, enum.Enum):
+    """Why a producer's hold ended (its blocks are free): every consumer reported done (SENT),
+    ``release``/a consumer's abort (ABORTED), or its lease or a claim window lapsed (EXPIRED)."""
+
+    SENT = "sent"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
 
 
 class AbortOutcome(str, enum.Enum):

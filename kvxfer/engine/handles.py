@@ -26,7 +26,7 @@ class TransferStats:
     num_bytes: int = 0
     descriptors: int = 0
     seconds: float = 0.0
-    mode: str = "direct"
+    mode: str = "direct"          # a TransferPath value: direct, host-staged, staged or ipc
     peers: int = 0
     setup_seconds: float = 0.0
     claim_seconds: float = 0.0

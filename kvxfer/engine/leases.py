@@ -27,6 +27,7 @@ import numpy as np
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.errors import ConfigError
 from kvxfer.layout.request import check_block_ids
+from kvxfer.types import ReleaseReason
 
 __all__ = ["Hold", "LeaseTable", "ClaimResult", "HoldCounts"]
 
@@ -70,7 +71,7 @@ class LeaseTable:
         lease: seconds an unclaimed hold lives (and the window of a claim that names none).
         clock: the clock every deadline and window is measured on.
         on_release: ``(request_id, why)`` once per hold, when its blocks are really free;
-            ``why`` is "sent", "aborted" or "expired".
+            ``why`` is a ``ReleaseReason`` (equal to "sent", "aborted" or "expired").
         max_window: the longest transfer window a claim may name (a hostile or confused
             consumer cannot pin blocks for longer).
     """
@@ -190,7 +191,7 @@ class LeaseTable:
             hold.done_by.add(consumer)
             hold.windows.pop(consumer, None)
             if len(hold.done_by) >= (hold.expected or 1):
-                why = hold.ending or "sent"
+                why = hold.ending or ReleaseReason.SENT
             elif hold.ending and not hold.open_windows(now):
                 why = hold.ending
             else:
@@ -199,7 +200,7 @@ class LeaseTable:
         self._on_release(request_id, why)
         return True
 
-    def release(self, request_id: str, why: str = "aborted") -> bool:
+    def release(self, request_id: str, why: str = ReleaseReason.ABORTED) -> bool:
         """End a hold (producer release or consumer abort). Frees at once unless a claim window
         is open: then new claims are refused and the blocks are freed when it closes.
         Returns False if the request was not held (or was already ending). Idempotent."""
@@ -227,9 +228,9 @@ class LeaseTable:
                 if not hold.ending and hold.deadline > now and not lapsed:
                     continue
                 if hold.open_windows(now):
-                    hold.ending = hold.ending or "expired"
+                    hold.ending = hold.ending or ReleaseReason.EXPIRED
                     continue
-                freed.append((rid, hold.ending or "expired"))
+                freed.append((rid, hold.ending or ReleaseReason.EXPIRED))
                 del self._holds[rid]
         for rid, why in freed:
             self._on_release(rid, why)

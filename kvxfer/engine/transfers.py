@@ -41,7 +41,7 @@ from kvxfer.errors import (
     TransferFailedError,
     TransferTimeoutError,
 )
-from kvxfer.types import Direction, MemKind, XferState
+from kvxfer.types import Direction, MemKind, TransferPath, XferState
 
 __all__ = ["Job", "Part", "TransferEngine"]
 
@@ -144,7 +144,7 @@ class TransferEngine:
     # ---- submission --------------------------------------------------------------
     def submit(self, request_id: str, direction: Direction, parts: list[Part], *,
                timeout: float | None = None, deadline: float | None = None, blocks=None,
-               on_success: Callable[[], None] | None = None, mode: str | None = None,
+               on_success: Callable[[], None] | None = None, mode: TransferPath | None = None,
                setup_seconds: float = 0.0, claim_seconds: float = 0.0) -> TransferHandle:
         """Post every part now and return the request's handle (``mode`` names the path in its stats).
 
@@ -164,7 +164,8 @@ class TransferEngine:
         if deadline is None and timeout is not None:
             deadline = now + timeout
         if mode is None:
-            mode = "staged" if any(p.job is None and p.plan.staging_bytes for p in parts) else "direct"
+            staged = any(p.job is None and p.plan.staging_bytes for p in parts)
+            mode = TransferPath.HOST_STAGED if staged else TransferPath.DIRECT
         ids = np.zeros(0, dtype=np.int64) if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
         req = _Request(handle, direction, parts, deadline, time.perf_counter(), mode, ids, on_success)
         req.stats.setup_seconds, req.stats.claim_seconds = setup_seconds, claim_seconds

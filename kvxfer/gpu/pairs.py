@@ -25,6 +25,8 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, ConfigError, LayoutError
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout
+from kvxfer.layout.plan import check_compatible
+from kvxfer.layout.request import check_block_ids
 from kvxfer.layout.tp import head_range
 
 __all__ = ["PairCopy", "Side", "Overlap", "overlap", "direct_pairs", "pack_pairs", "unpack_pairs",
@@ -153,7 +155,7 @@ def overlap(src: KVSpec, dst: KVSpec) -> Overlap | None:
 
     Raises LayoutError when the two specs do not describe the same model cache.
     """
-    _check_compatible(src, dst)
+    check_compatible(src, dst)  # the layout translator's own rule (model included)
     if src.mla:
         return Overlap(1, 0, 0)
     s0, s1 = head_range(src.num_kv_heads, src.tp_size, src.tp_rank)
@@ -162,12 +164,6 @@ def overlap(src: KVSpec, dst: KVSpec) -> Overlap | None:
     if lo >= hi:
         return None
     return Overlap(hi - lo, lo - s0, lo - d0)
-
-
-def _check_compatible(a: KVSpec, b: KVSpec) -> None:
-    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla"):
-        if getattr(a, name) != getattr(b, name):
-            raise LayoutError(f"{name} differs: expected {getattr(a, name)!r}; got {getattr(b, name)!r}")
 
 
 def _strides(spec: KVSpec) -> tuple[int, int]:
@@ -192,11 +188,7 @@ def request_tokens(a: KVSpec, a_ids: np.ndarray, b: KVSpec, b_ids: np.ndarray,
 
 
 def _ids(spec: KVSpec, ids: np.ndarray, side: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() >= spec.num_blocks):
-        raise BlockIdError(f"{side} block ids must lie in [0, {spec.num_blocks}); got range "
-                           f"[{int(arr.min())}, {int(arr.max())}]")
-    return arr
+    return check_block_ids(side, ids, spec.num_blocks)
 
 
 def _cache_side(spec: KVSpec, geom: CacheGeometry, ids: np.ndarray, head: int) -> Side:

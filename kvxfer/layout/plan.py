@@ -24,7 +24,7 @@ from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, merge
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.layout.template import PieceTemplate, UnpackTemplate, direct_template, staged_template
 
-__all__ = ["CacheView", "TransferPlan", "build_plan"]
+__all__ = ["CacheView", "TransferPlan", "build_plan", "check_compatible"]
 
 _U64 = np.uint64
 _MATCHING = ("model", "dtype", "head_dim", "num_layers", "num_kv_heads", "mla")
@@ -49,11 +49,20 @@ def _describe(s: KVSpec) -> str:
     return f"{s.layout.value}/{s.storage.value}/bs{s.block_size}/tp{s.tp_rank}of{s.tp_size}"
 
 
-def _check_pair(a: KVSpec, b: KVSpec) -> tuple[int, int]:
-    """Raise LayoutError unless the specs can be combined; return the shared head range."""
+def check_compatible(a: KVSpec, b: KVSpec) -> None:
+    """The one compatibility rule of every path (descriptor plans and GPU pair tables alike).
+
+    Raises:
+        LayoutError: model, dtype, head_dim, num_layers, num_kv_heads or mla differ (names both).
+    """
     for name in _MATCHING:
         if getattr(a, name) != getattr(b, name):
             raise LayoutError(f"{name} differs: local has {getattr(a, name)!r}; remote has {getattr(b, name)!r}")
+
+
+def _check_pair(a: KVSpec, b: KVSpec) -> tuple[int, int]:
+    """Raise LayoutError unless the specs can be combined; return the shared head range."""
+    check_compatible(a, b)
     small, big = sorted((a.block_size, b.block_size))
     if big % small:
         raise LayoutError(

@@ -96,3 +96,20 @@ def test_bad_ids_and_tokens_refused():
         direct_pairs(p, geom, [1], p, geom, [0], num_tokens=5)
     with pytest.raises(LayoutError, match="head_dim differs"):
         direct_pairs(p, geom, [1], _spec({"head_dim": 16}), geom, [0])
+
+
+def test_pair_tables_use_the_translators_compatibility_rule_model_included():
+    # One rule for every path: the GPU tables refuse another model's cache as the plans do.
+    a = KVSpec(**BASE, block_size=4, model="llama")
+    b = KVSpec(**BASE, block_size=4, model="qwen")
+    ga, gb = CacheGeometry.contiguous(a, 1 << 20), CacheGeometry.contiguous(b, 1 << 30)
+    with pytest.raises(LayoutError, match="model differs"):
+        direct_pairs(a, ga, np.arange(2), b, gb, np.arange(2))
+
+
+@pytest.mark.parametrize("ids", [[3.7], [1, 1], [1 << 63], [True]])
+def test_pair_tables_use_the_one_block_id_validator(ids):
+    a = KVSpec(**BASE, block_size=4)
+    g = CacheGeometry.contiguous(a, 1 << 20)
+    with pytest.raises(BlockIdError):
+        direct_pairs(a, g, ids, a, g, [0] * len(ids))

@@ -65,7 +65,7 @@ def test_read_tp2_hnd_to_tp1_nhd_staged_is_byte_exact(producers):
     cons, cache = consumer(spec)
     with cons:
         stats = cons.read(producers[0].address, [0, 1, 2, 3], ids, "r").wait(30)
-        assert stats.mode == "staged" and stats.peers == 2
+        assert stats.mode == "host-staged" and stats.peers == 2
     for rank in range(2):
         src = cache_for(KVSpec(**COMMON, layout="HND", tp_size=2, tp_rank=rank), 10 + rank)
         for layer in range(spec.num_layers):

@@ -23,6 +23,7 @@ from kvxfer.engine.leases import LeaseTable
 from kvxfer.gpu.pairs import pack_pairs
 from kvxfer.engine.paths.pipeline import serve_read
 from kvxfer.layout import CacheView
+from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import PackReady, PeerInfo, Refuse, spec_from_wire
 from kvxfer.protocol.messages import PackRequest
 
@@ -36,12 +37,10 @@ log = logging.getLogger("kvxfer.agent")
 
 
 def _check_ids(ids: list[int], bound: int, side: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    """A PackRequest's ids through the one validator, and at least one of them."""
+    arr = check_block_ids(f"PackRequest {side}", ids, bound)
     if arr.size == 0:
         raise BlockIdError(f"PackRequest {side} block ids: expected at least one id in [0, {bound})")
-    bad = arr[(arr < 0) | (arr >= bound)]
-    if bad.size:
-        raise BlockIdError(f"PackRequest {side} block id {int(bad[0])} outside [0, {bound})")
     return arr
 
 
