@@ -1,8 +1,10 @@
-"""Test support for engines built on kvxfer (layer: testing; imports backend.fake only, never nixl).
+"""Test support for engines built on kvxfer (layer: testing; imports backend.fake and transport.memory, never nixl or zmq).
 
 ``FakeBackend`` really copies bytes between registered buffers of agents in one process, with
 fault injection (``fail_next``, ``hold_transfers``, ``kill``); see ``kvxfer.backend.fake``.
-``free_port_block`` finds free side-channel ports; ``logical_kv`` and ``expected_read`` are a
+``MemoryTransport`` joins agents of one process without sockets or ports (``Agent(...,
+transport=MemoryTransport(network))``; see ``kvxfer.transport.memory``). ``free_port_block`` finds
+free side-channel ports; ``logical_kv`` and ``expected_read`` are a
 tensor-level oracle for split-storage caches (what a read must leave in the consumer's blocks).
 ``ProducerProcess`` and ``serve_commands`` run a producer rank in a spawned process that a test
 drives through two queues.
@@ -18,9 +20,10 @@ import numpy as np
 
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.layout import KVSpec
+from kvxfer.transport.memory import MemoryNetwork, MemoryTransport
 
-__all__ = ["FakeBackend", "FakeWorld", "ProducerProcess", "expected_read", "free_port_block", "logical_kv",
-           "serve_commands"]
+__all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "ProducerProcess", "expected_read",
+           "free_port_block", "logical_kv", "serve_commands"]
 
 
 def free_port_block(n: int = 4) -> int:

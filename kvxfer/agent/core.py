@@ -44,7 +44,8 @@ from kvxfer.protocol import (
     encode_notification, make_peer_info, new_engine_id,
 )
 from kvxfer.transport.address import side_channel_address
-from kvxfer.transport.zmq import SideChannelServer
+from kvxfer.transport.base import Listener, Transport
+from kvxfer.transport.zmq import ZmqTransport
 from kvxfer.types import AbortOutcome, Direction, MemKind
 
 __all__ = ["Agent", "Finished"]
@@ -63,10 +64,13 @@ class Agent:
         config: side channel, backends, leases, timeouts (``AgentConfig.from_env()`` by default).
         backend: a ``Backend``; default a ``NixlBackend`` with ``config.backends``.
         clock: the clock leases and deadlines use (tests pass a ``ManualClock``).
+        transport: the side channel's transport; default ``ZmqTransport()`` (tests may pass
+            ``kvxfer.testing.MemoryTransport`` to need no ports).
     """
 
     def __init__(self, name: str, spec: KVSpec, config: AgentConfig | None = None, *,
-                 backend: Backend | None = None, clock: Clock | None = None) -> None:
+                 backend: Backend | None = None, clock: Clock | None = None,
+                 transport: Transport | None = None) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec; got {type(spec).__name__}")
         self.spec = spec
@@ -87,11 +91,12 @@ class Agent:
         self._reports = Reports()
         self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release)
         self._service = ProducerService(self)
-        self._server: SideChannelServer | None = None
+        self._transport: Transport = transport or ZmqTransport()
+        self._server: Listener | None = None
         self._address: tuple[str, int] | None = None
         self._peers = PeerDirectory(self._codec, self._peer_info, backend.add_peer,
                                     backend.remove_peer, self.config.handshake_timeout,
-                                    getattr(backend, "connect", None))
+                                    getattr(backend, "connect", None), channel=self._transport.channel)
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
         self._done = DoneSender(self.engine_id, self._ask_engine, notify=self._notify_done)
@@ -142,10 +147,10 @@ class Agent:
         host, port = side_channel_address(
             self.config.side_channel_host, self.config.side_channel_port,
             dp_rank=self.config.dp_rank, tp_rank=self.spec.tp_rank, tp_size=self.spec.tp_size)
-        self._server = SideChannelServer(host, port, self._service.make_session,
-                                         max_bytes=self.config.max_message_bytes,
-                                         pinned=self._service.pinned,
-                                         authenticated=self._codec.authenticated)
+        self._server = self._transport.listener(host, port, self._service.make_session,
+                                                max_bytes=self.config.max_message_bytes,
+                                                pinned=self._service.pinned,
+                                                authenticated=self._codec.authenticated)
         self._address = self._server.start()
         log.info("agent %s listening on %s:%d", self.engine_id, *self._address)
         return self._address

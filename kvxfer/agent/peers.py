@@ -24,6 +24,7 @@ from typing import Callable, TypeVar
 from kvxfer.errors import KvxferError, PeerLostError
 from kvxfer.layout import CacheView, build_plan
 from kvxfer.protocol import ClientSession, Codec, PeerInfo
+from kvxfer.transport.base import Channel
 from kvxfer.transport.zmq import SideChannelClient
 
 __all__ = ["PeerLink", "PeerDirectory", "PendingAnswer"]
@@ -42,7 +43,7 @@ class PeerLink:
     info: PeerInfo
     view: CacheView
     agent_name: str              # the backend's name for the peer (from add_peer)
-    client: SideChannelClient
+    client: Channel
     session: ClientSession
     plans: dict = field(default_factory=dict)
     paths: dict = field(default_factory=dict)      # per-peer state of the GPU paths (IPC mapping)
@@ -124,13 +125,14 @@ class PeerDirectory:
 
     def __init__(self, codec: Codec, local_info: Callable[[], PeerInfo], add_peer: Callable[[bytes], str],
                  remove_peer: Callable[[str], None], timeout: float,
-                 connect: Callable[[str], None] | None = None) -> None:
+                 connect: Callable[[str], None] | None = None, channel: Callable[..., Channel] | None = None) -> None:
         self._codec = codec
         self._local_info = local_info
         self._add_peer = add_peer
         self._remove_peer = remove_peer
         self._timeout = timeout
         self._connect = connect
+        self._channel = channel or SideChannelClient  # (host, port, max_bytes=) -> Channel
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._gates: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
@@ -206,7 +208,7 @@ class PeerDirectory:
 
     def _handshake(self, host: str, port: int, timeout: float | None = None) -> PeerLink:
         started = time.perf_counter()
-        client = SideChannelClient(host, port, max_bytes=self._codec.max_bytes)
+        client = self._channel(host, port, max_bytes=self._codec.max_bytes)
         try:
             session = ClientSession(self._codec, self._local_info())
             reply = client.request(session.start(), timeout or self._timeout)

@@ -23,7 +23,7 @@ from kvxfer.transport.zmq_client import (
     MUX_HEADER, MUX_MAGIC, PendingReply, SideChannelClient, check_port, endpoint, monitor_ids, shared_context,
 )
 
-__all__ = ["PendingReply", "SideChannelClient", "SideChannelServer", "is_loopback"]
+__all__ = ["PendingReply", "SideChannelClient", "SideChannelServer", "ZmqTransport", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +248,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+class ZmqTransport:
+    """The real side-channel transport (``kvxfer.transport.base.Transport``): ZMQ over TCP."""
+
+    def listener(self, host: str, port: int, make_session: Callable[[], ServerSession], *,
+                 max_bytes: int = DEFAULT_MAX_BYTES, pinned: Callable[[ServerSession], bool] | None = None,
+                 authenticated: bool | None = None) -> SideChannelServer:
+        return SideChannelServer(host, port, make_session, max_bytes=max_bytes, pinned=pinned,
+                                 authenticated=authenticated)
+
+    def channel(self, host: str, port: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> SideChannelClient:
+        return SideChannelClient(host, port, max_bytes=max_bytes)
