@@ -62,8 +62,9 @@ class AgentConfig:
             so each agent keeps one core busy even when idle; on hosts with few cores turn it off:
             the agent's progress loop then drives UCX (transports that need the target to progress,
             such as TCP, move data only when the producer's loop polls, every 1 ms while it holds blocks).
-        metrics_port: serve Prometheus metrics over HTTP on this port (env ``KVXFER_METRICS_PORT``;
+        metrics_port: serve Prometheus metrics over HTTP from this base port (env ``KVXFER_METRICS_PORT``;
             ``None``, the default: no metrics; ``0``: a free port, read it from ``Agent.metrics_address``).
+            Like the side channel, TP rank r of DP rank d serves on ``base + d * tp_size + r``.
             Binds ``side_channel_host`` when set, else every interface. Needs ``prometheus-client``
             (``pip install kvxfer[metrics]``); docs/metrics.md lists the metrics.
     """

@@ -109,7 +109,8 @@ class Agent:
         if self.config.metrics_port is not None:
             try:
                 self._metrics = AgentMetrics(self.stats, self.config.metrics_port,
-                                             self.config.side_channel_host, self.engine_id)
+                                             self.config.side_channel_host, self.engine_id,
+                                             rank=self.config.dp_rank * spec.tp_size + spec.tp_rank)
             except BaseException:
                 self.close()
                 raise

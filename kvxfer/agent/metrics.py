@@ -95,17 +95,23 @@ class AgentMetrics:
 
     Args:
         stats: ``Agent.stats`` (called at each scrape, on the server's thread).
-        port: the port to serve on; 0 picks a free one (see ``address``).
+        port: the base port; this agent serves on ``port + rank`` (as side-channel ports go), and
+            0 picks a free one (see ``address``).
         host: the address to bind ("" or None: every interface).
         engine_id: the agent's engine id, exported as ``kvxfer_agent_info``.
+        rank: this agent's place among the ranks of its host, ``dp_rank * tp_size + tp_rank``.
 
     Raises:
         ConfigError: prometheus-client is missing, or the port cannot be bound.
     """
 
     def __init__(self, stats: Callable[[], AgentStats], port: int, host: str | None = None,
-                 engine_id: str = "") -> None:
+                 engine_id: str = "", *, rank: int = 0) -> None:
         prom = load_prometheus()
+        if port:
+            port += rank
+            if port > 65535:
+                raise ConfigError(f"metrics port {port - rank} + rank {rank} is past 65535")
         self.registry = r = prom.CollectorRegistry(auto_describe=True)
         self.transfers = prom.Counter(
             "kvxfer_agent_transfers", "Transfers ended, by direction, path and outcome (ok or the error class).",
@@ -123,7 +129,7 @@ class AgentMetrics:
         self.claim = prom.Histogram(
             "kvxfer_agent_claim_seconds", "Seconds from sending a read's claims to having every answer.",
             ["path"], buckets=_SECONDS_BUCKETS, registry=r)
-        prom.Info("kvxfer_agent", "This agent.", registry=r).info({"engine_id": engine_id})
+        prom.Info("kvxfer_agent", "This agent.", registry=r).info({"engine_id": engine_id, "rank": str(rank)})
         for path in PATHS:
             self.transfers.labels("read", path, "ok")
             self.bytes.labels("read", path)

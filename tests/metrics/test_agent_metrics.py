@@ -29,13 +29,14 @@ class World:
         self.world = FakeWorld()
         self.agents: list[Agent] = []
 
-    def agent(self, *, listen: bool = True, seed: int = 0, **cfg) -> tuple[Agent, FakeBackend, list]:
+    def agent(self, *, listen: bool = True, seed: int = 0, spec: dict | None = None,
+              **cfg) -> tuple[Agent, FakeBackend, list]:
         name = f"m{next(_names)}"
         cfg.setdefault("metrics_port", 0)
-        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1),
-                             handshake_timeout=2.0, **cfg)
+        cfg.setdefault("side_channel_port", free_port_block(1))
+        config = AgentConfig(side_channel_host="127.0.0.1", handshake_timeout=2.0, **cfg)
         backend = FakeBackend(name, self.world)
-        agent = Agent(name, KVSpec(**SPEC), config, backend=backend)
+        agent = Agent(name, KVSpec(**{**SPEC, **(spec or {})}), config, backend=backend)
         self.agents.append(agent)
         rng = np.random.default_rng(seed)
         cache = [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in agent.spec.tensor_shapes()]
@@ -78,7 +79,7 @@ def test_reads_are_counted_by_path_and_outcome_with_their_bytes_and_latencies(wo
         assert got.families[hist] == "histogram"
     assert got.value("kvxfer_agent_claim_seconds_count", path="direct") == 2
     assert got.value("kvxfer_agent_claim_seconds_bucket", path="direct", le="+Inf") == 2
-    assert got.value("kvxfer_agent_info", engine_id=cons.engine_id) == 1
+    assert got.value("kvxfer_agent_info", engine_id=cons.engine_id, rank="0") == 1
     # the producer moved nothing itself: its transfer counters stay at zero
     assert scrape(prod.metrics_address).total("kvxfer_agent_transfers_total") == 0
 
@@ -143,8 +144,19 @@ def test_metrics_are_off_by_default_and_each_agent_has_its_own_port(world):
     b, _, _ = world.agent()
     assert a.metrics_address[0] == "127.0.0.1" and a.metrics_address[1] != b.metrics_address[1]
     assert a.metrics_address[1] > 0
-    assert scrape(a.metrics_address).value("kvxfer_agent_info", engine_id=a.engine_id) == 1
-    assert scrape(b.metrics_address).value("kvxfer_agent_info", engine_id=a.engine_id) == 0
+    assert scrape(a.metrics_address).total("kvxfer_agent_info", engine_id=a.engine_id) == 1
+    assert scrape(b.metrics_address).total("kvxfer_agent_info", engine_id=a.engine_id) == 0
+
+
+def test_ranks_serve_on_consecutive_ports_from_the_base(world):
+    base = free_port_block(4)
+    sides = free_port_block(4)
+    ranks = [world.agent(metrics_port=base, dp_rank=1, side_channel_port=sides,
+                         spec={"tp_size": 2, "tp_rank": r})[0] for r in range(2)]
+    assert [a.metrics_address for a in ranks] == [("127.0.0.1", base + 2), ("127.0.0.1", base + 3)]
+    for rank, agent in zip((2, 3), ranks):
+        assert scrape(agent.metrics_address).value("kvxfer_agent_info", engine_id=agent.engine_id,
+                                                   rank=str(rank)) == 1
 
 
 def test_close_stops_the_server(world):
