@@ -164,7 +164,8 @@ class HFEngine:
             logits = self._forward(prompt[landed.tokens:], cache)
             ids, reason = self._greedy(logits, cache, max_tokens, ignore_eos)
         return Generation(ids, reason, loaded_tokens=landed.tokens,
-                          notes={"transfer_seconds": landed.seconds, "transfer_bytes": landed.num_bytes})
+                          notes={"transfer_seconds": landed.seconds, "transfer_bytes": landed.num_bytes,
+                                 "transfer_mode": landed.mode})
 
     # ---- helpers ---------------------------------------------------------------------
     def _require_transfers(self) -> Transfers:

@@ -44,6 +44,7 @@ class Landed:
     tokens: int
     seconds: float = 0.0
     num_bytes: int = 0
+    mode: str = ""
 
 
 def read_extent(remote: RemotePrefill, prompt_len: int, peer_block: int,
@@ -153,7 +154,8 @@ class Transfers:
         except KvxferError as exc:
             self._give_up(remote, landing, exc)
             raise LoadFailed(f"read of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
-        return Landed(landing, tokens, stats.seconds, stats.num_bytes)
+        mode = getattr(stats.mode, "value", stats.mode) or "direct"
+        return Landed(landing, tokens, stats.seconds, stats.num_bytes, str(mode))
 
     def _give_up(self, remote: RemotePrefill, landing: list[int], exc: KvxferError) -> None:
         """A posted read failed: tell the producer, and keep its landing blocks out of use."""
