@@ -117,6 +117,8 @@ def _decode(consumer, prompt, params):
     return consumer.decode(prompt, MAX_TOKENS, RemotePrefill.parse(params))
 
 
+@pytest.mark.compat(producer="transformers", consumer="transformers", tp="1 -> 1",
+                    layout="NHD split, block 16 -> same", path="ipc (same-host CUDA IPC)", device="GPU (one host)")
 @pytest.mark.parametrize("length", [9, 16, 17, 600])
 def test_prefill_then_decode_equals_generate(producer, consumer, length):
     from vllm_harness import prompt_of

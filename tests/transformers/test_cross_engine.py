@@ -77,6 +77,8 @@ def test_transformers_alone_equals_vllm_alone(vllm_server, hf_cpu):
         assert got == want, first_difference(got, want)
 
 
+@pytest.mark.compat(producer="transformers", consumer="vLLM", tp="1 -> 1",
+                    layout="`--kv-layout vllm-cpu`, block 32 -> vLLM CPU, block 32", path="direct", device="CPU")
 class TestTransformersToVllm(CrossContract):
     """kvxfer-hf (vLLM-CPU format, block 32) prefill -> vLLM KvxferConnector (CPU, block 32) decode."""
 
@@ -85,6 +87,8 @@ class TestTransformersToVllm(CrossContract):
         yield from _route(hf_cpu, vllm_server, vllm_server, hf_logs, "hf-vllm-proxy", False)
 
 
+@pytest.mark.compat(producer="vLLM", consumer="transformers", tp="1 -> 1",
+                    layout="vLLM CPU, block 32 -> `--kv-layout vllm-cpu`, block 32", path="direct", device="CPU")
 class TestVllmToTransformers(CrossContract):
     """vLLM KvxferConnector (CPU, block 32) prefill -> kvxfer-hf (vLLM-CPU format, block 32) decode."""
 
@@ -98,6 +102,9 @@ class TestVllmToTransformers(CrossContract):
         assert got.cached_tokens == len(prompt) - 1
 
 
+@pytest.mark.compat(producer="vLLM", consumer="transformers", tp="1 -> 1",
+                    layout="vLLM CPU, block 32 -> NHD split, block 16", path="refused (HTTP 500 naming the cause)",
+                    device="CPU")
 def test_nhd_pool_refuses_a_vllm_cpu_producer(vllm_server, hf_servers):
     # the NHD pool cannot take vLLM-CPU's dim-major K through the translator: a clear error
     # (policy fail) instead of wrong tokens
@@ -112,6 +119,8 @@ def test_nhd_pool_refuses_a_vllm_cpu_producer(vllm_server, hf_servers):
     "vLLM's CPU cache keeps K dim-major per head block; KvxferConnector describes it as head_packed HND "
     "(token-major K), so the translator writes an NHD producer's K rows transposed (V is exact). Needs a "
     "K order in kvxfer's KVSpec, or the vLLM adapter refusing converted reads on CPU"))
+@pytest.mark.compat(producer="transformers", consumer="vLLM", tp="1 -> 1",
+                    layout="NHD split, block 32 -> vLLM CPU, block 32", path="staged", device="CPU")
 def test_vllm_cpu_decoder_from_an_nhd_producer(vllm_server, hf_servers):
     prompt = prompt_of(70, seed=6)
     want = vllm_server.client().complete(prompt, MAX_TOKENS).token_ids

@@ -29,6 +29,8 @@ def route(hf_servers, hf_logs):
         proxy.stop()
 
 
+@pytest.mark.compat(producer="transformers", consumer="transformers", tp="1 -> 1",
+                    layout="NHD split, block 32 -> NHD split, block 16", path="direct", device="CPU")
 class TestTransformersToTransformers(CrossContract):
     """kvxfer-hf (block 32) prefill -> kvxfer-hf (block 16) decode."""
 
@@ -73,6 +75,8 @@ class TestTransformersToTransformers(CrossContract):
         q = prompt_of(40, seed=62)  # and the pair keeps serving
         assert route_pd(route.prefill, route.decode, q, MAX_TOKENS).token_ids == reference(route, q)
 
+    @pytest.mark.compat(producer="transformers", consumer="transformers", tp="1 -> 1",
+                        layout="NHD split, block 16 -> NHD split, block 32", path="direct", device="CPU")
     def test_failed_load_under_recompute_prefills_locally(self, route):
         # the reverse pair: hf16 prefills, hf32 (policy recompute) decodes; a stale read recomputes
         hf16, hf32 = route.decode, route.prefill
