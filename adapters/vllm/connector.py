@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvxfer_vllm.metadata import StepOrders
 from kvxfer_vllm.scheduler import KvxferScheduler
 from kvxfer_vllm.settings import Settings
+from kvxfer_vllm.stats import KvxferKVConnectorStats, KvxferPromMetrics
 from kvxfer_vllm.worker import KvxferWorker
 
 if TYPE_CHECKING:
@@ -134,6 +135,19 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    # ---- stats (vLLM's KV-connector stats; docs/metrics.md) ------------------------------
+    def get_kv_connector_stats(self) -> KvxferKVConnectorStats | None:
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferKVConnectorStats:
+        return KvxferKVConnectorStats(data=data) if data is not None else KvxferKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

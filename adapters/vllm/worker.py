@@ -17,6 +17,7 @@ from kvxfer import Agent, ConfigError, KvxferError, TransferHandle
 from kvxfer_vllm.cache import CacheDescription, describe_cache
 from kvxfer_vllm.metadata import LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.settings import Settings
+from kvxfer_vllm.stats import KvxferKVConnectorStats
 
 log = logging.getLogger("vllm.kvxfer_vllm.worker")
 
@@ -62,6 +63,7 @@ class KvxferWorker:
         self._kept: set[str] = set()        # producer requests vLLM keeps until we report them
         self._released: set[str] = set()    # producer requests the agent let go, not yet reported
         self._ignored: set[str] = set()     # holds dropped on vLLM's behalf: never reported
+        self._stats = KvxferKVConnectorStats()  # since vLLM last asked (get_kv_connector_stats)
 
     # ---- set-up --------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
@@ -132,6 +134,8 @@ class KvxferWorker:
         if self._agent is None:
             return out
         fin = self._agent.finished()
+        for _ in fin.expired - self._ignored:
+            self._stats.record_expired_req()
         self._released |= fin.sent | fin.expired
         for request_id in list(self._released):
             if request_id in self._ignored:
@@ -147,6 +151,10 @@ class KvxferWorker:
                 continue
             del self._loads[request_id]
             out.recving.add(request_id)
+            if error is None:
+                self._stats.record_transfer(load.started.result().wait(0))
+            elif not load.cancelled:
+                self._stats.record_failed_transfer()
             if error is not None:
                 out.failed.add(request_id)
                 out.failed_blocks.update(load.order.local_blocks)
@@ -156,6 +164,10 @@ class KvxferWorker:
                             request_id, load.order.remote_request_id, load.order.host,
                             load.order.port, error)
         return out
+
+    def stats(self) -> KvxferKVConnectorStats | None:
+        """What loads and holds did since the last call (counted in ``collect``), or None if nothing."""
+        return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
