@@ -7,8 +7,12 @@ the handshake/request state machines (``session``). See ``docs/protocol.md``.
 from kvxfer.protocol.codec import (
     DEFAULT_MAX_BYTES,
     Codec,
+    PipeNote,
     decode_notification,
+    decode_pipe_note,
     encode_notification,
+    encode_pipe_note,
+    is_pipe_note,
 )
 from kvxfer.protocol.messages import (
     PROTOCOL_VERSION,
@@ -59,6 +63,7 @@ __all__ = [
     "PackReady",
     "PackRequest",
     "PeerInfo",
+    "PipeNote",
     "REJECT_CODES",
     "REPLIES",
     "Refuse",
@@ -70,7 +75,10 @@ __all__ = [
     "check_peer_info",
     "compat_hash",
     "decode_notification",
+    "decode_pipe_note",
     "encode_notification",
+    "encode_pipe_note",
+    "is_pipe_note",
     "make_peer_info",
     "new_engine_id",
     "reject_error",

@@ -24,7 +24,10 @@ import hashlib
 import hmac
 import struct
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from kvxfer.errors import AuthenticationError, ConfigError, IncompatiblePeerError, ProtocolError
 from kvxfer.protocol.messages import PROTOCOL_VERSION, Message, Reject
@@ -36,8 +39,12 @@ __all__ = [
     "HEADER",
     "MAGIC",
     "Codec",
+    "PipeNote",
     "decode_notification",
+    "decode_pipe_note",
     "encode_notification",
+    "encode_pipe_note",
+    "is_pipe_note",
 ]
 
 MAGIC = b"KVXF"
@@ -45,6 +52,7 @@ HEADER = struct.Struct(">4sHH32sI")  # magic, version, flags, compat digest, bod
 TAG_BYTES = 32
 FLAG_AUTH = 0x1
 FLAG_REJECT = 0x2
+FLAG_PIPE = 0x2  # in a notification's flags (not a frame's): the body is a PipeNote
 _KNOWN_FLAGS = FLAG_AUTH | FLAG_REJECT
 DEFAULT_MAX_BYTES = 4 << 20
 
@@ -193,24 +201,24 @@ class _Notification(msgspec.Struct, frozen=True, array_like=True):
     engine_id: str
 
 
+class PipeNote(msgspec.Struct, frozen=True, array_like=True):
+    """A staged pipeline's message (``kvxfer.engine.paths.pipeline``), typed: piece ``piece`` of the
+    transfer tagged ``tag`` is READY (1) in, FREE (2) to reuse, or its DATA (3) landed in ``slot``."""
+
+    kind: Annotated[int, Meta(ge=1, le=3)]
+    tag: Annotated[int, Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+    piece: Annotated[int, Meta(ge=0, lt=1 << 20)]
+    slot: Annotated[int, Meta(ge=0, lt=1 << 12)]
+
+
 _NOTIF_ENCODER = msgspec.msgpack.Encoder()
 _NOTIF_DECODER = msgspec.msgpack.Decoder(_Notification)
+_PIPE_DECODER = msgspec.msgpack.Decoder(PipeNote)
 
 
-def encode_notification(request_id: str, engine_id: str, key: bytes | None) -> bytes:
-    """A small 'request done' notification to ride on a NIXL transfer or ``send_notif``.
-
-    Layout: ``b"KVXN"``, version u8, flags u8 (bit 0 AUTH), optional 32-byte HMAC tag
-    over ``b"kvxfer-notif\\0" + header + body`` (so a frame tag never verifies as a
-    notification tag), msgpack ``[request_id, engine_id]``.
-
-    Raises:
-        ProtocolError: the notification would exceed 4096 bytes.
-        ConfigError: a bad key.
-    """
+def _seal(body: bytes, flags: int, key: bytes | None) -> bytes:
     key = _check_key(key)
-    body = _NOTIF_ENCODER.encode(_Notification(request_id, engine_id))
-    header = NOTIF_HEADER.pack(NOTIF_MAGIC, PROTOCOL_VERSION, FLAG_AUTH if key else 0)
+    header = NOTIF_HEADER.pack(NOTIF_MAGIC, PROTOCOL_VERSION, flags | (FLAG_AUTH if key else 0))
     tag = hmac.new(key, b"kvxfer-notif\0" + header + body, hashlib.sha256).digest() if key else b""
     out = header + tag + body
     if len(out) > NOTIF_MAX_BYTES:
@@ -218,14 +226,9 @@ def encode_notification(request_id: str, engine_id: str, key: bytes | None) -> b
     return out
 
 
-def decode_notification(data: bytes, key: bytes | None) -> tuple[str, str]:
-    """Return ``(request_id, engine_id)`` from a notification.
-
-    Raises:
-        ProtocolError: garbage, oversized or truncated data.
-        IncompatiblePeerError: another protocol version.
-        AuthenticationError: missing, unexpected or wrong tag.
-    """
+def _open(data: bytes, key: bytes | None, pipe: bool) -> bytes:
+    """Check a notification's envelope (``pipe``: it must be a pipeline note; else it must not be)
+    and return its body."""
     key = _check_key(key)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"notification must be bytes; got {type(data).__name__}")
@@ -239,16 +242,64 @@ def decode_notification(data: bytes, key: bytes | None) -> tuple[str, str]:
         raise ProtocolError(f"bad notification magic: expected {NOTIF_MAGIC!r}; got {magic!r}")
     if version != PROTOCOL_VERSION:
         raise IncompatiblePeerError(f"notification version: expected {PROTOCOL_VERSION}; got {version}")
-    if flags & ~FLAG_AUTH:
-        raise ProtocolError(f"unknown notification flags: expected a subset of 0x1; got {flags:#x}")
+    if flags & ~(FLAG_AUTH | FLAG_PIPE):
+        raise ProtocolError(f"unknown notification flags: expected a subset of 0x3; got {flags:#x}")
+    if bool(flags & FLAG_PIPE) != pipe:
+        raise ProtocolError("notification: expected a pipeline note; got a request-done notification" if pipe
+                            else "notification: expected a request-done notification; got a pipeline note")
     authed = bool(flags & FLAG_AUTH)
     start = NOTIF_HEADER.size + (TAG_BYTES if authed else 0)
     if len(data) < start:
         raise ProtocolError(f"notification too short: expected >= {start} bytes; got {len(data)}")
     _verify_auth(key, authed, data[NOTIF_HEADER.size:start],
                  b"kvxfer-notif\0" + data[:NOTIF_HEADER.size] + data[start:], "notification")
+    return data[start:]
+
+
+def encode_notification(request_id: str, engine_id: str, key: bytes | None) -> bytes:
+    """A small 'request done' notification to ride on a NIXL transfer or ``send_notif``.
+
+    Layout: ``b"KVXN"``, version u8, flags u8 (bit 0 AUTH, bit 1 PIPE: the body is a ``PipeNote``),
+    optional 32-byte HMAC tag over ``b"kvxfer-notif\\0" + header + body`` (so a frame tag never
+    verifies as a notification tag), msgpack ``[request_id, engine_id]``.
+
+    Raises:
+        ProtocolError: the notification would exceed 4096 bytes.
+        ConfigError: a bad key.
+    """
+    return _seal(_NOTIF_ENCODER.encode(_Notification(request_id, engine_id)), 0, key)
+
+
+def decode_notification(data: bytes, key: bytes | None) -> tuple[str, str]:
+    """Return ``(request_id, engine_id)`` from a notification.
+
+    Raises:
+        ProtocolError: garbage, oversized or truncated data, or a pipeline note.
+        IncompatiblePeerError: another protocol version.
+        AuthenticationError: missing, unexpected or wrong tag.
+    """
+    body = _open(data, key, pipe=False)
     try:
-        note = _NOTIF_DECODER.decode(data[start:])
+        note = _NOTIF_DECODER.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed notification body: {exc}") from None
     return note.request_id, note.engine_id
+
+
+def encode_pipe_note(note: PipeNote, key: bytes | None) -> bytes:
+    """A pipeline note in the notification envelope (flag PIPE; authenticated like the others)."""
+    return _seal(_NOTIF_ENCODER.encode(note), FLAG_PIPE, key)
+
+
+def is_pipe_note(data: bytes) -> bool:
+    """Whether ``data`` claims to be a pipeline note (magic and flag; not validated further)."""
+    return len(data) >= NOTIF_HEADER.size and data[:4] == NOTIF_MAGIC and bool(data[5] & FLAG_PIPE)
+
+
+def decode_pipe_note(data: bytes, key: bytes | None) -> PipeNote:
+    """The ``PipeNote`` in ``data`` (raises as ``decode_notification``; also for a request-done one)."""
+    body = _open(data, key, pipe=True)
+    try:
+        return _PIPE_DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed pipeline note: {exc}") from None

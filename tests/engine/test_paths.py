@@ -6,7 +6,8 @@ from kvxfer.engine.paths.choose import MANY_DESCRIPTORS, SHORT_DESCRIPTOR, PathF
 from kvxfer.engine.paths.pipes import PipeRouter
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError
-from kvxfer.engine.paths.pipeline import FREE, READY, PipeMessage
+from kvxfer.engine.paths.pipeline import DATA, FREE, READY, PipeMessage
+from kvxfer.protocol import PipeNote, decode_pipe_note, encode_notification, encode_pipe_note
 
 
 def facts(ipc=None, staged=None, direct=None, vram=True, descriptors=4096, num_bytes=4096 * 32768):
@@ -71,7 +72,29 @@ def test_router_takes_pipeline_messages_by_tag_and_leaves_the_rest():
     assert not router.deliver("a", b"a request-done notification")
     assert [PipeMessage.decode(m) for m in link.receive()] == [PipeMessage(READY, 7, 0, 1)]
     link.send(PipeMessage(FREE, 7, 0, 1).encode())                      # sent with the window offset
-    assert [PipeMessage.decode(m) for _, m in a.notifications()] == [PipeMessage(FREE, 7, 0, 5)]
+    assert [decode_pipe_note(m, None) for _, m in a.notifications()] == [PipeNote(FREE, 7, 0, 5)]
+
+
+def test_pipeline_messages_travel_as_typed_authenticated_notes():
+    """On the wire a pipeline message is a ``PipeNote`` in the notification envelope, with the
+    shared key's tag; a note with another key, or out of bounds, is dropped (never routed); a
+    bare record from a peer of the release before is still taken."""
+    world = FakeWorld()
+    a, b = FakeBackend("a", world), FakeBackend("b", world)
+    a.add_peer(b.metadata())
+    b.add_peer(a.metadata())
+    key = b"k" * 32
+    sender, receiver = PipeRouter(a, key=key), PipeRouter(b, key=key)
+    out, inbox = sender.open("b", 7), receiver.open("a", 7)
+    out.send(PipeMessage(READY, 7, 3, 2).encode())
+    [(_, wire)] = b.notifications()
+    assert decode_pipe_note(wire, key) == PipeNote(READY, 7, 3, 2)
+    assert receiver.deliver("a", wire)
+    assert receiver.deliver("a", encode_pipe_note(PipeNote(READY, 7, 4, 2), b"x" * 32))   # wrong key: dropped
+    assert receiver.deliver("a", PipeMessage(DATA, 7, 5, 1).encode())                     # an older peer's record
+    assert [PipeMessage.decode(m) for m in inbox.receive()] == [PipeMessage(READY, 7, 3, 2),
+                                                                 PipeMessage(DATA, 7, 5, 1)]
+    assert not receiver.deliver("a", encode_notification("r", "e", key))                # request-done: not ours
 
 
 def test_router_refuses_a_slot_outside_the_window_and_a_tag_in_use():

@@ -43,7 +43,7 @@ class PathKit:
         self.vram = geometry.kind is MemKind.VRAM
         self.device = int(geometry.device)
         self.host_id = host_identity()
-        self.router = PipeRouter(backend)
+        self.router = PipeRouter(backend, key=config.auth_key)
         self.area: StagingArea | None = None
         self.area_why = ""
         self._slots: StagingAllocator | None = None

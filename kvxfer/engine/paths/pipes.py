@@ -1,7 +1,9 @@
 """Staged-pipeline messages over the backend's notifications, routed by tag (layer: engine; never nixl, zmq or the agent).
 
-The staged pipeline (``kvxfer.engine.paths.pipeline``) talks in 20-byte ``PipeMessage`` records. They
-travel as backend notifications next to the request-done notifications of ordinary reads;
+The staged pipeline (``kvxfer.engine.paths.pipeline``) talks in 20-byte ``PipeMessage`` records. On
+the wire they are typed protocol messages (``kvxfer.protocol.PipeNote`` in the notification
+envelope, authenticated with the shared key); a peer of the release before sends bare records,
+which are still taken. They travel as backend notifications next to the request-done notifications of ordinary reads;
 the progress loop hands every notification to ``PipeRouter.deliver`` first, which claims
 the pipeline ones (recognised by their magic prefix) and queues them on the ``PipeLink``
 of their (peer, tag), so they are never decoded as, or logged as bad, request-done notes.
@@ -21,6 +23,7 @@ import threading
 from kvxfer.backend.base import Backend
 from kvxfer.errors import KvxferError, ProtocolError
 from kvxfer.engine.paths.pipeline import PipeMessage, is_pipe_message
+from kvxfer.protocol import PipeNote, decode_pipe_note, encode_pipe_note, is_pipe_note
 
 __all__ = ["PipeLink", "PipeRouter"]
 
@@ -37,17 +40,22 @@ class PipeLink:
         slot_count: received slots (after the offset) must lie in ``[0, slot_count)``.
     """
 
-    def __init__(self, backend: Backend, peer: str, tag: int, slot_offset: int, slot_count: int) -> None:
+    def __init__(self, backend: Backend, peer: str, tag: int, slot_offset: int, slot_count: int,
+                 key: bytes | None = None) -> None:
         self.backend, self.peer, self.tag = backend, peer, tag
         self.slot_offset, self.slot_count = slot_offset, slot_count
+        self._key = key
         self._inbox: collections.deque[bytes] = collections.deque()
         self._error: KvxferError | None = None
 
     def send(self, message: bytes) -> None:
+        """Send the pipeline's ``message`` to the peer as a typed ``PipeNote`` (authenticated
+        with the shared key, like every other notification)."""
         msg = PipeMessage.decode(message)
-        if msg is not None and self.slot_offset:
-            message = dataclasses.replace(msg, slot=msg.slot + self.slot_offset).encode()
-        self.backend.notify(self.peer, message)
+        if msg is None:
+            raise ProtocolError(f"not a pipeline message: {message[:8]!r}")
+        note = PipeNote(msg.kind, msg.tag, msg.piece, msg.slot + self.slot_offset)
+        self.backend.notify(self.peer, encode_pipe_note(note, self._key))
 
     def check(self) -> None:
         """Raise the error ``stop`` was given, if it was."""
@@ -78,14 +86,15 @@ class PipeLink:
 class PipeRouter:
     """Routes pipeline notifications to open links by (peer, tag). Thread-safe."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    def __init__(self, backend: Backend, key: bytes | None = None) -> None:
+        self._backend, self._key = backend, key
         self._links: dict[tuple[str, int], PipeLink] = {}
         self._lock = threading.Lock()
+        self._bad = 0
 
     def open(self, peer: str, tag: int, slot_offset: int = 0, slot_count: int = 1 << 20) -> PipeLink:
         """A link for a new transfer. Raises ProtocolError if (peer, tag) is already in use."""
-        link = PipeLink(self._backend, peer, tag, slot_offset, slot_count)
+        link = PipeLink(self._backend, peer, tag, slot_offset, slot_count, self._key)
         with self._lock:
             if (peer, tag) in self._links:
                 raise ProtocolError(f"pipeline tag {tag} is already in use with peer {peer!r}")
@@ -102,13 +111,23 @@ class PipeRouter:
             return len(self._links)
 
     def deliver(self, peer: str, raw: bytes) -> bool:
-        """Take ``raw`` if it is a pipeline message (True); False leaves it to the caller."""
-        if not is_pipe_message(raw):
-            return False
+        """Take ``raw`` if it is a pipeline message (True); False leaves it to the caller.
+
+        A typed ``PipeNote`` (this release) is checked (envelope, key, bounds) and handed to the
+        pipeline as its record; a bare record (a peer of the release before) is taken as it is."""
         try:
-            msg = PipeMessage.decode(raw)
-        except ProtocolError as exc:
-            log.warning("dropping a bad pipeline message from %s: %s", peer, exc)
+            if is_pipe_note(raw):
+                note = decode_pipe_note(raw, self._key)
+                msg = PipeMessage(note.kind, note.tag, note.piece, note.slot)
+                raw = msg.encode()
+            elif is_pipe_message(raw):
+                msg = PipeMessage.decode(raw)
+            else:
+                return False
+        except KvxferError as exc:
+            self._bad += 1
+            if self._bad in (1, 10, 100, 1000) or self._bad % 10000 == 0:  # never a log line per message
+                log.warning("dropping a bad pipeline message from %s (%d so far): %s", peer, self._bad, exc)
             return True
         with self._lock:
             link = self._links.get((peer, msg.tag))
