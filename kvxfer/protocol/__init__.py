@@ -15,6 +15,8 @@ from kvxfer.protocol.codec import (
     is_pipe_note,
 )
 from kvxfer.protocol.messages import (
+    MAX_BACKEND_METADATA,
+    MAX_LAYERS,
     PROTOCOL_VERSION,
     REJECT_CODES,
     REPLIES,
@@ -58,6 +60,8 @@ __all__ = [
     "HeartbeatAck",
     "Hello",
     "IpcWire",
+    "MAX_BACKEND_METADATA",
+    "MAX_LAYERS",
     "Message",
     "PROTOCOL_VERSION",
     "PackReady",
