@@ -1,5 +1,5 @@
-"""Prometheus metrics of one Agent, served over HTTP (layer: agent; imports prometheus_client
-lazily, only when metrics are on, and nothing of kvxfer below ``agent.reports``).
+"""Prometheus metrics of one Agent, served over HTTP (layer: agent; must not import
+prometheus_client at module level: it is an optional dependency, loaded only when metrics are on).
 
 Each ``AgentMetrics`` owns a private ``CollectorRegistry`` (several agents may live in one
 process) and its own HTTP server thread. Counters and histograms are fed by completed
