@@ -69,3 +69,29 @@ def test_a_restarted_peer_heals_the_link_and_abort_reports_its_outcome(world):
     cons.read(address, [7], [4], "b").wait(5)
     for layer in range(SPEC.num_layers):
         np.testing.assert_array_equal(ccache[layer][:, [7]], pcache[layer][:, [4]])
+
+
+def test_done_heals_a_lost_session_but_never_tells_a_restarted_producer(world):
+    """A ``Done`` whose session the producer forgot (evicted) gets one fresh handshake and is
+    delivered; one whose producer restarted (another engine at the address) is not sent: the new
+    engine never served that read, so it must not count it."""
+    from agent_helpers_memory import wait_for
+
+    prod, _ = world("p", 1)
+    cons, _ = world("c", 2, listen=False)
+    prod.hold("r", [1])
+    link = cons.connect(*prod.address)
+    prod._server._sessions.clear()          # the producer forgot every session (evicted)
+    cons._done.send(link, "r")
+    assert wait_for(lambda: not prod.holding("r"))
+    address = prod.address
+    prod.close()
+    new, _ = world("p2", 3, port=address[1])
+    new.hold("r", [1])
+    seen: list = []
+    handle = new._service.handle
+    new._service.handle = lambda message, peer: (seen.append(message), handle(message, peer))[1]
+    cons._done.send(link, "r")              # the link's engine is gone
+    cons._done.send(cons.connect(*address), "other")   # and the queue keeps going
+    assert wait_for(lambda: any(getattr(m, "request_id", "") == "other" for m in seen))
+    assert [m.request_id for m in seen] == ["other"] and new.holding("r")
