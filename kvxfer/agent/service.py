@@ -86,7 +86,7 @@ class ProducerService:
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
-            return Ack(released=leases.release(message.request_id, "aborted"))
+            return Ack(released=leases.release(message.request_id, "aborted", consumer=message.engine_id))
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
             leases.done(message.request_id, message.engine_id)
             return Ack()

@@ -200,15 +200,21 @@ class LeaseTable:
         self._on_release(request_id, why)
         return True
 
-    def release(self, request_id: str, why: str = ReleaseReason.ABORTED) -> bool:
+    def release(self, request_id: str, why: str = ReleaseReason.ABORTED, consumer: str | None = None) -> bool:
         """End a hold (producer release or consumer abort). Frees at once unless a claim window
         is open: then new claims are refused and the blocks are freed when it closes.
-        Returns False if the request was not held (or was already ending). Idempotent."""
+
+        ``consumer``: the engine that asks (a consumer's abort). Its own window closes: it said
+        it will not read (an aborted read's bytes are discarded on its side, and a claim it is
+        undoing never moved any). Returns False if the request was not held (or was already
+        ending). Idempotent."""
         now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None or hold.ending:
                 return False
+            if consumer is not None:
+                hold.windows.pop(consumer, None)
             if hold.open_windows(now):
                 hold.ending = why
                 return True

@@ -169,3 +169,18 @@ def test_counts_report_holds_blocks_claims_and_ending():
     table.release("b")
     c = table.counts()
     assert (c.requests, c.blocks, c.claimed, c.ending) == (2, 4, 1, 1)
+
+
+def test_an_abort_by_the_claimant_closes_its_own_window_only():
+    table, clock, released = make()
+    table.hold("r", [0], num_blocks=1, consumers=2)
+    table.claim("r", "a", [0], window=5.0)
+    table.claim("r", "b", [0], window=5.0)
+    assert table.release("r", consumer="a")       # a will not read; b still may be
+    assert released == [] and table.held("r")
+    table.done("r", "b")
+    assert released == [("r", "aborted")]
+    table.hold("s", [0], num_blocks=1)
+    table.claim("s", "a", [0], window=5.0)
+    assert table.release("s", consumer="a")       # its only claimant undoes its claim: free now
+    assert released[-1] == ("s", "aborted")

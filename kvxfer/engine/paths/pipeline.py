@@ -37,7 +37,7 @@ from kvxfer.gpu.ops import PairKernel
 from kvxfer.gpu.pairs import PairCopy
 from kvxfer.types import Direction, MemKind, Region, XferState
 
-__all__ = ["Link", "PipeMessage", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
+__all__ = ["DRAIN_GRACE", "SlotsQuarantined", "drain", "Link", "PipeMessage", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
            "push_write", "receive_write", "host_allocate", "is_pipe_message"]
 
 _FMT = struct.Struct("<3sBBxxxQI")  # magic, version, kind, 3 pad, tag, piece | slot << 20
@@ -295,9 +295,49 @@ def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel
         _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,
                       remote_kind, deadline, moving, note)
     finally:
-        for _, _, _, xid in moving:  # failed or cancelled: nothing may land in a slot after we return
-            backend.release(xid)
+        # Failed or cancelled: nothing may land in a slot after we return. Releasing a pending
+        # READ does not stop its bytes (UCX over TCP), so wait for each to end first.
+        stuck = drain(backend, [xid for _, _, _, xid in moving], max(deadline, time.monotonic()) + DRAIN_GRACE)
         gpu.stream.synchronize()
+        if stuck:
+            raise SlotsQuarantined(f"staged READ (tag {tag}): {stuck} move(s) into this transfer's slots "
+                                   "not confirmed ended; the slots are quarantined")
+
+
+#: Seconds past a pipeline's deadline that it waits for its NIXL moves to end before giving up.
+DRAIN_GRACE = 0.25
+
+
+class SlotsQuarantined(TransferFailedError):
+    """A pipeline ended with moves into its slots still pending: the slots must not be reused."""
+
+
+def drain(backend: Backend, xids: list[int], until: float) -> int:
+    """Release each transfer once the backend says it ended (DONE or FAILED), polling until
+    ``until``; returns how many are still pending then (left unreleased: they may still write)."""
+    pending = list(xids)
+    while pending:
+        still = []
+        for xid in pending:
+            try:
+                ended = backend.state(xid) is not XferState.PENDING
+            except TransferFailedError:
+                ended = True
+            except Exception:  # noqa: BLE001 - a closed backend moves nothing any more
+                ended = True
+            if ended:
+                try:
+                    backend.release(xid)
+                except Exception:  # noqa: BLE001 - ended already; releasing is bookkeeping
+                    pass
+            else:
+                still.append(xid)
+        pending = still
+        if pending and time.monotonic() >= until:
+            return len(pending)
+        if pending:
+            time.sleep(0.0005)
+    return 0
 
 
 def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,

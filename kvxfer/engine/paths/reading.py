@@ -20,6 +20,7 @@ producer, so once the part finished the agent sends it a ``Done`` message on the
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import secrets
 import threading
@@ -31,7 +32,7 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
 from kvxfer.engine.transfers import Part
 from kvxfer.gpu.pairs import direct_pairs, overlap, unpack_pairs
-from kvxfer.engine.paths.pipeline import fetch_read
+from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.request import check_block_ids
 from kvxfer.layout.tp import head_range
@@ -42,6 +43,8 @@ from kvxfer.types import MemKind
 from kvxfer.engine.paths.kit import PathKit
 from kvxfer.engine.paths.jobs import IpcJob, PipelineJob
 from kvxfer.engine.paths.choose import PathFacts, choose_path
+
+log = logging.getLogger("kvxfer.engine")
 
 __all__ = ["ReadRoute", "plan_read", "shared_heads", "new_tag"]
 
@@ -143,9 +146,15 @@ class ReadRoute:
         def body() -> None:
             slots = kit.take_slots(count, deadline, pipe.check)  # raises once cancelled
             held.append(slots)
-            fetch_read(tag, unpack, slots, kit.kernel, pipe, kit.backend, link.agent_name,
-                       lambda s: staging.addr + s * staging.slot_bytes, staging.device, deadline, piece,
-                       remote_kind=MemKind(staging.mem_kind))
+            try:
+                fetch_read(tag, unpack, slots, kit.kernel, pipe, kit.backend, link.agent_name,
+                           lambda s: staging.addr + s * staging.slot_bytes, staging.device, deadline, piece,
+                           remote_kind=MemKind(staging.mem_kind))
+            except SlotsQuarantined:
+                log.warning("staged read of %r: staging slots quarantined (a move into them did not end)",
+                            self.request_id)
+                held.clear()  # never handed back: a late byte there would corrupt another read
+                raise
 
         def cleanup() -> None:
             kit.router.close(pipe)
