@@ -66,7 +66,7 @@ def quiet_env(side_port: int) -> dict[str, str]:
 def hf_config(policy: str = "fail", role: str = "kv_both", **extra: Any) -> str:
     """A --kv-transfer-config JSON for kvxfer-hf (vLLM's keys)."""
     return json.dumps({"kv_connector": "KvxferConnector", "kv_role": role, "kv_load_failure_policy": policy,
-                       "kv_connector_extra_config": {"transfer_timeout": 60}, **extra})
+                       "kv_connector_extra_config": {"transfer_timeout": 60, "handshake_timeout": 4}, **extra})
 
 
 @dataclass

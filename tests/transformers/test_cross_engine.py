@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Iterator
 
 import pytest
 
@@ -59,13 +60,23 @@ def hf_cpu(hf_model, hf_logs):
         server.stop()
 
 
-def _route(p, d, ref, logs, name, loaded: bool):
+def _route(p, d, ref, logs, name, loaded: bool) -> Iterator[Route]:
     proxy = ProxyServer([p], [d], logs, name=name, port=port_run(1)).start()
     try:
         proxy.wait_ready(time.monotonic() + 60)
         yield Route(p.client(), d.client(), ref.client(), proxy.client(), decoder_reports_loaded=loaded)
     finally:
         proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_to_vllm(vllm_server, hf_cpu, hf_logs):
+    yield from _route(hf_cpu, vllm_server, vllm_server, hf_logs, "hf-vllm-proxy", False)
+
+
+@pytest.fixture(scope="module")
+def vllm_to_hf(vllm_server, hf_cpu, hf_logs):
+    yield from _route(vllm_server, hf_cpu, vllm_server, hf_logs, "vllm-hf-proxy", True)
 
 
 def test_transformers_alone_equals_vllm_alone(vllm_server, hf_cpu):
@@ -82,9 +93,9 @@ def test_transformers_alone_equals_vllm_alone(vllm_server, hf_cpu):
 class TestTransformersToVllm(CrossContract):
     """kvxfer-hf (vLLM-CPU format, block 32) prefill -> vLLM KvxferConnector (CPU, block 32) decode."""
 
-    @pytest.fixture(scope="class")
-    def route(self, vllm_server, hf_cpu, hf_logs):
-        yield from _route(hf_cpu, vllm_server, vllm_server, hf_logs, "hf-vllm-proxy", False)
+    @pytest.fixture
+    def route(self, hf_to_vllm):
+        return hf_to_vllm
 
 
 @pytest.mark.compat(producer="vLLM", consumer="transformers", tp="1 -> 1",
@@ -92,9 +103,9 @@ class TestTransformersToVllm(CrossContract):
 class TestVllmToTransformers(CrossContract):
     """vLLM KvxferConnector (CPU, block 32) prefill -> kvxfer-hf (vLLM-CPU format, block 32) decode."""
 
-    @pytest.fixture(scope="class")
-    def route(self, vllm_server, hf_cpu, hf_logs):
-        yield from _route(vllm_server, hf_cpu, vllm_server, hf_logs, "vllm-hf-proxy", True)
+    @pytest.fixture
+    def route(self, vllm_to_hf):
+        return vllm_to_hf
 
     def test_decoder_loads_all_but_the_last_prompt_token(self, route):
         prompt = prompt_of(3 * 32 + 5, seed=13)
