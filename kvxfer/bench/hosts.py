@@ -49,6 +49,10 @@ CONSUMER_ADDRESS = "10.88.0.2"
 _NAME_PREFIX = "kvxfer-"
 _NAME_RE = re.compile(r"^kvxfer-(\d+)-[0-9a-f]+-[pc]$")
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_SLAVE = 1 << 19
+_MNT_DETACH = 2
 _IP_TIMEOUT_S = 10.0
 
 
@@ -77,22 +81,34 @@ class Host:
         return subprocess.run(self.command(argv), timeout=timeout, **kwargs)
 
     def enter(self) -> None:
-        """Move the calling process into this namespace (setns(2)); for a freshly spawned child.
+        """Move the calling process into this namespace, as ``ip netns exec`` does; for a fresh child.
 
-        Sockets already open stay in the old namespace, and UCX probes interfaces when its
-        context is made, so call this first thing in the child.
+        Joins the network namespace (setns(2)), then gives the process a mount namespace of its
+        own with a fresh ``/sys``: UCX lists network interfaces from ``/sys/class/net``, and with
+        the old namespace's ``/sys`` it sees only ``lo`` and cannot reach the other host. Sockets
+        already open stay in the old namespace and UCX probes interfaces when its context is made,
+        so call this first thing in a freshly spawned, single-threaded child.
 
         Raises:
-            HostsUnavailableError: setns failed (the namespace is gone, or not root).
+            HostsUnavailableError: a step failed (the namespace is gone, not root, or threads).
         """
         libc = ctypes.CDLL(None, use_errno=True)
         fd = os.open(f"/var/run/netns/{self.netns}", os.O_RDONLY)
         try:
-            if libc.setns(fd, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise HostsUnavailableError(f"setns into {self.netns!r} failed: {os.strerror(err)}")
+            _check(libc.setns(fd, _CLONE_NEWNET), f"setns into {self.netns!r}")
         finally:
             os.close(fd)
+        _check(libc.unshare(_CLONE_NEWNS), "unshare of the mount namespace")
+        # Keep the host's mounts from propagating back, then swap /sys for this namespace's.
+        _check(libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "making / a slave mount")
+        _check(libc.umount2(b"/sys", _MNT_DETACH), "detaching /sys")
+        _check(libc.mount(self.netns.encode(), b"/sys", b"sysfs", 0, None), "mounting sysfs on /sys")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise HostsUnavailableError(f"{what} failed: {os.strerror(err)}")
 
 
 def _ip(*args: str) -> None:
