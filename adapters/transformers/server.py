@@ -108,12 +108,15 @@ def error(message: str, status: int) -> JSONResponse:
 def _run(engine: HFEngine, req: CompletionRequest) -> Generation:
     """Pick the path vLLM would: prefill for a remote decoder, decode a remote prefill, or local."""
     params = req.kv_transfer_params
-    if wants_remote_prefill(params) and engine.settings.consumes:
+    if wants_remote_prefill(params):
         try:
             remote = RemotePrefill.parse(params)
         except BadParams as exc:
             raise BadRequest(f"kv_transfer_params: {exc}") from None
-        return engine.decode(req.prompt, req.max_tokens, remote, req.ignore_eos)
+        if engine.settings.consumes:
+            return engine.decode(req.prompt, req.max_tokens, remote, req.ignore_eos)
+        if engine.transfers is not None:  # kv_role kv_producer: compute here, free the producer now
+            engine.transfers.release_remote(remote)
     if wants_remote_decode(params) and engine.settings.produces:
         return engine.prefill(req.prompt, req.max_tokens, req.ignore_eos)
     return engine.generate(req.prompt, req.max_tokens, req.ignore_eos)

@@ -157,6 +157,13 @@ class Transfers:
         mode = getattr(stats.mode, "value", stats.mode) or "direct"
         return Landed(landing, tokens, stats.seconds, stats.num_bytes, str(mode))
 
+    def release_remote(self, remote: RemotePrefill) -> None:
+        """Tell a producer its blocks are not wanted (this side computes the prompt itself); best effort."""
+        try:
+            self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
+        except KvxferError as exc:
+            log.warning("release of %s at %s:%d: %s", remote.request_id, remote.host, remote.port, exc)
+
     def _give_up(self, remote: RemotePrefill, landing: list[int], exc: KvxferError) -> None:
         """A posted read failed: tell the producer, and keep its landing blocks out of use."""
         try:
