@@ -96,9 +96,10 @@ class KVPool:
         return k, t[:, :, 1].permute(0, 2, 1, 3)
 
     def same_format_as(self, peer: KVSpec) -> bool:
-        """Whether blocks can move between this pool and ``peer`` with their bytes unchanged."""
+        """Whether blocks can move between this pool and ``peer`` with each head's bytes unchanged
+        (another TP size is fine: in ``head_packed`` a head's K and V regions move whole)."""
         return (peer.layout == self.spec.layout and peer.storage == self.spec.storage
-                and peer.block_size == self.spec.block_size and peer.tp_size == self.spec.tp_size)
+                and peer.block_size == self.spec.block_size)
 
     def exchangeable_with(self, peer: KVSpec) -> bool:
         """Whether kvxfer's translator moves this pool's K correctly to or from ``peer``: always
