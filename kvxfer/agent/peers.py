@@ -26,6 +26,7 @@ from kvxfer.layout import CacheView, build_plan
 from kvxfer.protocol import ClientSession, Codec, PeerInfo
 from kvxfer.transport.base import Channel
 from kvxfer.transport.zmq import SideChannelClient
+from kvxfer.types import Region
 
 __all__ = ["PeerLink", "PeerDirectory", "PendingAnswer"]
 
@@ -118,6 +119,11 @@ class PendingAnswer:
 
     def cancel(self) -> None:
         self._pending.cancel()
+
+
+def _probe(spec, geometry) -> Region:
+    """The first bytes of the peer's cache (block 0 of layer 0's first region), for ``connect``."""
+    return Region(int(geometry.bases[0, 0]), spec.block_bytes, geometry.device, geometry.kind)
 
 
 class PeerDirectory:
@@ -218,7 +224,9 @@ class PeerDirectory:
             agent_name = self._add_peer(info.backend_metadata)
             loaded = time.perf_counter()
             if self._connect is not None:
-                self._connect(agent_name)  # open the transport now, not on the first transfer
+                # open the transport now, not on the first transfer; the probe (a few bytes of the
+                # peer's cache) lets the backend wait until the connection really carries reads
+                self._connect(agent_name, probe=_probe(session.peer_spec, session.peer_geometry))
         except BaseException:
             client.close()
             raise

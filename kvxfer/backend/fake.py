@@ -165,8 +165,10 @@ class FakeBackend:
             for pid in [i for i, p in self._preps.items() if p[0] == peer]:
                 del self._preps[pid]
 
-    def connect(self, peer: str) -> None:
+    def connect(self, peer: str, probe: object = None, timeout: float = 10.0) -> float:
+        """Check ``peer`` is reachable (``probe`` and ``timeout`` are accepted as NixlBackend's; unused)."""
         self._reach(peer)
+        return 0.0
 
     def _reach(self, peer: str) -> "FakeBackend":
         """The live peer object; ConfigError if never added, PeerLostError if gone."""

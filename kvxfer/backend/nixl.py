@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvxfer.backend.base import XferId
 from kvxfer.backend.checks import check_regions, descriptor_table, as_enum, check_indices, check_pair
+from kvxfer.backend.ucx_env import apply_ucx_defaults
 from kvxfer.errors import (
     BackendError,
     ClosedError,
@@ -40,6 +43,9 @@ _THREAD_PARAM = {"UCX": "num_threads", "OBJ": "num_threads", "LIBFABRIC": "num_t
                  "GDS_MT": "thread_count", "UCCL": "num_cpus"}
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
+_PROBE_BYTES = 64          # connect()'s probe read: enough to exercise the read path, never a cost
+_PROBE_POLL_S = 2e-4
+log = logging.getLogger("kvxfer.backend")
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
 
 
@@ -144,6 +150,9 @@ class NixlBackend:
         self.backends = backends
         self._lock = threading.RLock()
         self._nx = _Boundary(name)
+        # UCX reads its environment when the agent below creates its context: fill kvxfer's TCP
+        # defaults first (only variables the user left unset; see backend/ucx_env.py).
+        apply_ucx_defaults()
         api = load_nixl_api()
         # Plugins are created one by one below, after checking their names against the build.
         config = self._nx.call("agent config",
@@ -167,6 +176,7 @@ class NixlBackend:
         self._preps: dict[int, tuple[str | None, int, Any]] = {}  # id -> (peer, rows, handle)
         self._regs: dict[int, list[Any]] = {}  # id -> nixl reg lists
         self._peers: set[str] = set()
+        self._scratch: np.ndarray | None = None  # connect()'s probe lands here
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -230,12 +240,60 @@ class NixlBackend:
             self._peers.add(name)
             return name
 
-    def connect(self, peer: str) -> None:
-        """Optionally open the connection to ``peer`` now, so the first transfer is not slow."""
+    def connect(self, peer: str, probe: Region | None = None, timeout: float = 10.0) -> float:
+        """Open the transport to ``peer`` now, so the first transfer does not pay for it.
+
+        NIXL's ``make_connection`` only starts UCX's wire-up: over TCP the endpoint is usable
+        once the peer has answered, and a transfer posted before that queues behind it (its
+        operations then drain through the progress thread). With ``probe``, a few bytes of memory
+        the peer registered, this also reads up to 64 bytes of it into a scratch buffer of this
+        agent and waits (up to ``timeout`` s) for the read: when it completes the endpoint is
+        wired up, the protocols for reads are chosen and their buffers allocated on both sides.
+        The probe moves no notification, so the peer's application never sees it.
+
+        Returns the seconds spent waiting for the probe (0.0 without one). A probe that fails or
+        times out is released and logged, not raised: the first transfer will report a dead peer.
+
+        Raises:
+            ConfigError: unknown ``peer``.
+        """
         with self._lock:
             self._check_peer(peer)
             self._nx.call(f"make_connection to {peer!r}", self._agent.make_connection, peer,
                           allow_none=True)
+        if probe is None:
+            return 0.0
+        started = time.monotonic()
+        try:
+            xid = self._post_probe(peer, probe)
+        except KvxferError as exc:
+            log.warning("NIXL agent %r: connection probe to %r not posted: %s", self.name, peer, exc)
+            return time.monotonic() - started
+        state = XferState.PENDING
+        while state is XferState.PENDING and time.monotonic() - started < timeout:
+            time.sleep(_PROBE_POLL_S)
+            state = self.state(xid)
+        if state is not XferState.DONE:
+            log.warning("NIXL agent %r: connection probe to %r ended %s after %.3f s (%s)", self.name, peer,
+                        state.name, time.monotonic() - started, self.failure(xid))
+        self.release(xid)
+        return time.monotonic() - started
+
+    def _post_probe(self, peer: str, probe: Region) -> XferId:
+        """Post the READ of ``connect``'s probe into this agent's scratch buffer (registered once)."""
+        nbytes = min(int(probe.length), _PROBE_BYTES)
+        if nbytes <= 0:
+            raise ConfigError(f"probe region must have a positive length; got {probe.length}")
+        with self._lock:
+            self._check_open()
+            if self._scratch is None:
+                scratch = np.zeros(_PROBE_BYTES, dtype=np.uint8)
+                self.register([Region(scratch.ctypes.data, _PROBE_BYTES, 0, MemKind.DRAM)])
+                self._scratch = scratch
+            local = np.array([[self._scratch.ctypes.data, nbytes, 0]], dtype=np.uint64)
+            remote = np.array([[int(probe.addr), nbytes, int(probe.device)]], dtype=np.uint64)
+            return self.post(Direction.READ, local, MemKind.DRAM, remote, as_enum(MemKind, probe.kind, "kind"),
+                             peer, b"")
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` and release the prepared lists made for it. Unknown names are ignored."""
