@@ -160,7 +160,7 @@ class LeaseTable:
             if hold is None:
                 return f"request {request_id!r} is not held (unknown, released or expired)"
             if hold.windows.get(consumer, 0.0) <= now:
-                return f"request {request_id!r} has no open claim by {consumer!r}"
+                return f"request {request_id!r} was not claimed by {consumer!r} (or its claim window closed)"
             wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
             missing = wanted[~np.isin(wanted, hold.blocks)]
             if missing.size:

@@ -29,7 +29,7 @@ def test_cpu_bench_verifies_every_transfer_over_interleaved_rounds(scenario):
     agent = rows["kvxfer-agent"]
     assert len(agent["vs_nixl-per-block_rounds"]) == 2
     # host caches: whole-head byte ranges go direct (head slices too), a layout change is staged
-    assert agent["modes"] == {"same": ["direct"], "hnd-nhd": ["staged"], "tp1-2": ["direct"]}[scenario]
+    assert agent["modes"] == {"same": ["direct"], "hnd-nhd": ["host-staged"], "tp1-2": ["direct"]}[scenario]
     # a producer that was never told a read was done (e.g. holding for consumer ranks the run
     # does not measure) makes the row an error: checked above, for every scenario
     assert "kvxfer-agent" in table(report)

@@ -116,8 +116,8 @@ def test_producer_killed_mid_transfer_fails_the_read_within_its_deadline(produce
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(block_ids=[1, 2, 999]), r"producer block id 999 outside \[0, 48\)"),
-    (dict(consumer_ids=[0, 1, 4800]), r"consumer block id 4800 outside \[0, 48\)"),
+    (dict(block_ids=[1, 2, 999]), r"producer block id 999 is outside \[0, 48\)"),
+    (dict(consumer_ids=[0, 1, 4800]), r"consumer block id 4800 is outside \[0, 48\)"),
     (dict(head_start=0, head_stop=2), r"heads \[0, 2\): expected \[0, 4\)"),
     (dict(piece_bytes=1 << 30), r"piece_bytes 1073741824 outside \[8192, 16384\]"),
 ])
