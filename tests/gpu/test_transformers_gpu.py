@@ -43,21 +43,32 @@ def _importable() -> None:
         sys.path.insert(0, harness)
 
 
-def _settings(side_port: int):
+def _engine(model_dir: str, side_port: int):
+    """An HFEngine on cuda:0 whose side channel listens at 127.0.0.1:side_port (the environment is
+    restored afterwards, so other tests' agents do not inherit the port)."""
+    from kvxfer_transformers.engine import HFEngine
     from kvxfer_transformers.settings import ServeSettings
 
-    os.environ.update({"KVXFER_SIDE_CHANNEL_HOST": "127.0.0.1", "KVXFER_SIDE_CHANNEL_PORT": str(side_port)})
-    return ServeSettings.parse(json.dumps({"kv_role": "kv_both", "kv_load_failure_policy": "fail"}),
-                               device="cuda:0", environ={})
+    wanted = {"KVXFER_SIDE_CHANNEL_HOST": "127.0.0.1", "KVXFER_SIDE_CHANNEL_PORT": str(side_port)}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        settings = ServeSettings.parse(json.dumps({"kv_role": "kv_both", "kv_load_failure_policy": "fail"}),
+                                       device="cuda:0", environ={})
+        return HFEngine.start(model_dir, settings=settings, dtype="float32", device="cuda:0", block_size=BLOCK,
+                              num_blocks=256)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _producer(model_dir: str, side_port: int, inbox, outbox) -> None:
     """Child process: prefill each prompt it is sent, answer the params, until it gets None."""
     _importable()
-    from kvxfer_transformers.engine import HFEngine
-
-    engine = HFEngine.start(model_dir, settings=_settings(side_port), dtype="float32", device="cuda:0",
-                            block_size=BLOCK, num_blocks=256)
+    engine = _engine(model_dir, side_port)
     outbox.put("ready")
     try:
         for prompt in iter(inbox.get, None):
@@ -95,10 +106,8 @@ def producer(tiny):
 @pytest.fixture(scope="module")
 def consumer(tiny):
     from kvxfer.testing import free_port_block
-    from kvxfer_transformers.engine import HFEngine
 
-    engine = HFEngine.start(str(tiny), settings=_settings(free_port_block(4)), dtype="float32", device="cuda:0",
-                            block_size=BLOCK, num_blocks=256)
+    engine = _engine(str(tiny), free_port_block(4))
     yield engine
     engine.close()
 
