@@ -25,7 +25,7 @@ from kvxfer.errors import (
     TransferTimeoutError,
 )
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
-from kvxfer.types import AbortOutcome, Direction, MemKind
+from kvxfer.types import AbortOutcome, Direction, MemKind, ReleaseReason, TransferPath
 
 __version__ = "0.1.0"
 
@@ -63,10 +63,12 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "RegistrationError",
+    "ReleaseReason",
     "Storage",
     "TransferError",
     "TransferFailedError",
     "TransferHandle",
+    "TransferPath",
     "TransferStats",
     "TransferTimeoutError",
     "__version__",
