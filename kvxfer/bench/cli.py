@@ -70,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--plot", help="write a GB/s vs tokens plot here (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--two-hosts", action="store_true",
+                   help="producer and consumer in two network namespaces joined by a veth pair (needs "
+                        "root; host memory, UCX over TCP): socket line, raw NIXL with UCX's and kvxfer's "
+                        "TCP settings, kvxfer direct and staged, first contact (kvxfer.bench.twohosts)")
     return p
 
 
@@ -92,14 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     verification or a method errored, 2 for bad arguments."""
     args = parser().parse_args(argv)
     try:
-        report = add_ratios(run_bench(config_from(args)))
+        if args.two_hosts:
+            from kvxfer.bench import twohosts  # noqa: PLC0415
+
+            report = twohosts.run_two_hosts(config_from(args))
+        else:
+            report = add_ratios(run_bench(config_from(args)))
     except KvxferError as exc:
         print(f"kvxfer bench: {exc}", file=sys.stderr)
         return 2
-    print(table(report))
+    print(twohosts.table(report) if args.two_hosts else table(report))
     if args.json:
         write_json(report, args.json)
-    if args.plot:
+    if args.plot and not args.two_hosts:
         plot(report, args.plot)
     bad = [r for r in report["rows"] if r.get("failed") or "error" in r]
     if bad:

@@ -248,7 +248,7 @@ def ipc(w, requests, tokens, iters, warmup, options):
     return result
 
 
-def _agent_config(options: dict, port: int):
+def _agent_config(options: dict, port: int, host: str = "127.0.0.1", path: str | None = None):
     from kvxfer import AgentConfig  # noqa: PLC0415
 
     extra = {}
@@ -256,18 +256,23 @@ def _agent_config(options: dict, port: int):
         extra = dict(pipeline_slot_bytes=options["slot_bytes"], pipeline_slots=options["slots"])
     # The producer's agent starts (NIXL agent, cache registration, IPC export) while the
     # consumer already knocks: give the first handshake more than the default 10 s.
-    return AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, handshake_timeout=60.0,
-                       transfer_path=options.get("transfer_path") or "auto", **extra)
+    return AgentConfig(side_channel_host=host, side_channel_port=port, handshake_timeout=60.0,
+                       transfer_path=path or options.get("transfer_path") or "auto", **extra)
 
 
 def _bench_agent(w, options: dict, port: int, listen: bool):
-    """This worker's ``Agent`` for ``kvxfer-agent`` (one per transfer path; kept across rounds)."""
+    """This worker's ``Agent`` for ``kvxfer-agent``, kept across rounds: a consumer keeps one per
+    transfer path; a producer (``listen``) has one, on ``options["producer_host"]`` (default
+    127.0.0.1), whose own path is ``options["producer_path"]`` (``staged``: it also serves staged
+    reads of host memory)."""
     from kvxfer import Agent  # noqa: PLC0415
 
-    key = f"agent-{options.get('transfer_path') or 'auto'}"
+    key = "agent-producer" if listen else f"agent-{options.get('transfer_path') or 'auto'}"
     ag = w.extra.get(key)
     if ag is None:
-        ag = Agent(f"{w.name}-agent", w.cache.spec, _agent_config(options, port))
+        host = options.get("producer_host" if listen else "consumer_host") or "127.0.0.1"
+        path = options.get("producer_path") if listen else None
+        ag = Agent(f"{w.name}-{key}", w.cache.spec, _agent_config(options, port, host, path))
         ag.register(w.cache.tensors)
         if listen:
             ag.listen()
@@ -282,7 +287,7 @@ def agent(w, requests, tokens, iters, warmup, options):
     reported are returned under ``"modes"``."""
     offset = 50 + 10 * ("auto", "ipc", "staged", "direct").index(options.get("transfer_path") or "auto")
     ag = _bench_agent(w, options, options["port"] + offset, listen=False)
-    remote = ("127.0.0.1", options["port"])
+    remote = (options.get("producer_host") or "127.0.0.1", options["port"])
     local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
     modes: set[str] = set()
     setup: list[float] = []
@@ -388,6 +393,8 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
 
 
 CONSUMER: dict[str, Callable[..., dict]] = {
+    "kvxfer-agent-direct": agent,   # kvxfer-agent with transfer_path forced (run.py sets it)
+    "kvxfer-agent-staged": agent,
     "nixl-per-block": nixl_per_block,
     "nixl-1desc": nixl_1desc,
     "kvxfer-staged-read": lambda *a: staged(*a, direction="read"),
@@ -399,10 +406,14 @@ CONSUMER: dict[str, Callable[..., dict]] = {
 #: Producer steps that must finish before the consumer starts ``measure``.
 PREPARE: dict[str, Callable[..., dict]] = {
     "kvxfer-agent": hold_agent,
+    "kvxfer-agent-direct": hold_agent,
+    "kvxfer-agent-staged": hold_agent,
 }
 
 PRODUCER: dict[str, Callable[..., dict]] = {
     "kvxfer-staged-read": lambda *a: serve_staged(*a, direction="read"),
     "kvxfer-staged-write": lambda *a: serve_staged(*a, direction="write"),
     "kvxfer-agent": serve_agent,
+    "kvxfer-agent-direct": serve_agent,
+    "kvxfer-agent-staged": serve_agent,
 }

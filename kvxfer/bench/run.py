@@ -57,6 +57,11 @@ class BenchConfig:
     port: int = 0
     progress: bool = True
     transfer_path: str = "auto"   # kvxfer-agent: the Agent's transfer_path (--gpu-path)
+    # Two-hosts runs (kvxfer.bench.twohosts): (producer, consumer) ``hosts.Host`` whose namespaces
+    # the processes enter; ``env``: extra environment for every process (e.g. UCX_TLS=tcp).
+    hosts: tuple | None = None
+    env: dict = field(default_factory=dict)
+    producer_path: str | None = None  # the producer Agent's own transfer_path (None: as transfer_path)
 
     def model(self) -> dict:
         if self.preset == "custom":
@@ -67,13 +72,14 @@ class BenchConfig:
 
 
 class _Proc:
-    def __init__(self, ctx: Any, label: str) -> None:
+    def __init__(self, ctx: Any, label: str, host: Any = None, extra_env: dict | None = None) -> None:
         self.label = label
         self.conn, child = ctx.Pipe()
         from kvxfer.bench.worker import worker_main  # noqa: PLC0415
 
-        env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_"))}
-        self.proc = ctx.Process(target=worker_main, args=(child, env), name=label, daemon=True)
+        env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_", "KVXFER_UCX"))}
+        env.update(extra_env or {})
+        self.proc = ctx.Process(target=worker_main, args=(child, env, host), name=label, daemon=True)
         self.proc.start()
 
     def send(self, cmd: str, **kwargs: Any) -> None:
@@ -141,8 +147,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     report: dict = {"config": {**dataclasses.asdict(cfg), "methods": list(methods)},
                     "machine": _machine(gpu), "scenario": _describe(scen), "rows": []}
     _say(cfg, f"starting {1 + len(scen.producers)} processes ({dev_p} -> {dev_c})")
-    consumer = _Proc(ctx, "consumer")
-    producers = [_Proc(ctx, f"producer{i}") for i in range(len(scen.producers))]
+    p_host, c_host = cfg.hosts or (None, None)
+    consumer = _Proc(ctx, "consumer", c_host, cfg.env)
+    producers = [_Proc(ctx, f"producer{i}", p_host, cfg.env) for i in range(len(scen.producers))]
     procs = [consumer, *producers]
     try:
         n = len(producers)
@@ -190,9 +197,11 @@ def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, 
                 label = method + (f"@{piece >> 20}MiB" if piece else "")
                 when = f" round {rnd + 1}/{cfg.rounds}" if cfg.rounds > 1 else ""
                 _say(cfg, f"tokens={tokens}: {label} x{cfg.iters} (+{cfg.warmup} warm-up){when}")
+                path = method.rsplit("-", 1)[1] if method.startswith("kvxfer-agent-") else cfg.transfer_path
                 options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
-                           "run": f"{tokens}-{label}-{rnd}", "transfer_path": cfg.transfer_path,
-                           "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots}
+                           "run": f"{tokens}-{label}-{rnd}", "transfer_path": path,
+                           "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots,
+                           **_addresses(cfg)}
                 t0 = time.monotonic()
                 res = _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p, nbytes)
                 res["wall_s"] = time.monotonic() - t0
@@ -230,6 +239,14 @@ def _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p,
         return res
     except Exception as exc:  # one failing method must not hide the others' figures
         return {"error": str(exc)[-2000:]}
+
+
+def _addresses(cfg: BenchConfig) -> dict:
+    """Where the producer listens and the consumer binds (two hosts: their namespaces' addresses)."""
+    out: dict = {"producer_path": cfg.producer_path}
+    if cfg.hosts:
+        out.update(producer_host=cfg.hosts[0].address, consumer_host=cfg.hosts[1].address)
+    return out
 
 
 def _merge_round(row: dict, res: dict) -> None:

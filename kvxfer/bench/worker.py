@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.bench import methods
+from kvxfer.bench import methods, netmethods
 from kvxfer.bench.caches import BenchCache, apply_expected, element_view, fill_random, make_cache
 from kvxfer.bench.links import Mailbox
 from kvxfer.layout.spec import KVSpec
@@ -25,8 +25,11 @@ from kvxfer.types import MemKind, Region
 __all__ = ["worker_main", "Worker"]
 
 
-def worker_main(conn: Any, env: dict[str, str]) -> None:
-    """Process entry point: apply ``env``, then serve commands until ``exit``."""
+def worker_main(conn: Any, env: dict[str, str], host: Any = None) -> None:
+    """Process entry point: enter ``host``'s network namespace (a ``kvxfer.bench.hosts.Host``,
+    two-hosts runs), apply ``env``, then serve commands until ``exit``."""
+    if host is not None:
+        host.enter()  # before any socket or NIXL agent exists in this process
     os.environ.update(env)
     worker = Worker()
     while True:
@@ -164,20 +167,20 @@ class Worker:
     def measure(self, method: str, requests: list[dict], tokens: int, iters: int, warmup: int,
                 options: dict) -> dict:
         """Time ``method`` ``iters`` times (after ``warmup``), verifying every timed transfer."""
-        fn = methods.CONSUMER[method]
+        fn = {**methods.CONSUMER, **netmethods.CONSUMER}[method]
         return fn(self, requests, tokens, iters, warmup, options)
 
     # ---- producer ----------------------------------------------------------------------
     def prepare(self, method: str, consumer: str, request: dict, tokens: int, rounds: int,
                 options: dict) -> dict:
         """The producer's set-up for ``method`` that must be done before ``measure`` starts."""
-        fn = methods.PREPARE.get(method)
+        fn = {**methods.PREPARE, **netmethods.PREPARE}.get(method)
         return {} if fn is None else fn(self, consumer, request, tokens, rounds, options)
 
     def serve(self, method: str, consumer: str, request: dict, tokens: int, rounds: int,
               options: dict) -> dict:
         """Play the producer's part of ``method`` for ``rounds`` iterations (GO-driven)."""
-        fn = methods.PRODUCER.get(method)
+        fn = {**methods.PRODUCER, **netmethods.PRODUCER}.get(method)
         if fn is None:
             return {"rounds": 0}
         return fn(self, consumer, request, tokens, rounds, options)
@@ -188,7 +191,7 @@ class Worker:
 
     def close(self) -> None:
         for key, value in list(self.extra.items()):
-            if key.startswith("agent"):
+            if key.startswith("agent") or key == "tcp-socket":
                 value.close()
         for info in self.peers.values():
             mapped = info.get("mapped")

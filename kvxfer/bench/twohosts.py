@@ -1,0 +1,106 @@
+"""``kvxfer bench --two-hosts``: the across-hosts figures in one run (layer: bench app).
+
+Creates two network namespaces joined by a veth pair (``kvxfer.bench.hosts``; needs root), puts
+the producer process in one (10.88.0.1) and the consumer in the other (10.88.0.2), forces UCX
+onto TCP (``UCX_TLS=tcp`` unless the caller set ``UCX_TLS``: between namespaces of one machine
+UCX would otherwise read through shared memory, which no second host offers), and runs the
+method list twice on host-memory caches, each time in fresh processes because UCX reads its
+environment once per process:
+
+* ``ucx-defaults``: ``KVXFER_UCX_DEFAULTS=0``, UCX's own TCP settings (kvxfer before issue 16);
+* ``kvxfer``: kvxfer's TCP defaults (``kvxfer.backend.ucx_env``), plus the raw TCP socket line
+  and the first read by a consumer the producer has never met (``kvxfer-first-read``).
+
+Every row carries ``setting``; ``vs_nixl_best`` is its GB/s over the best raw NIXL
+single-descriptor figure (``nixl-1desc``) of the same run and tokens, ``vs_socket`` over the
+socket line's. The namespaces are removed when the run ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from kvxfer.bench.hosts import two_hosts
+from kvxfer.bench.run import BenchConfig, run_bench
+
+__all__ = ["SETTINGS", "run_two_hosts", "table"]
+
+#: (name, extra environment, methods) for each pass.
+SETTINGS = (
+    ("ucx-defaults", {"KVXFER_UCX_DEFAULTS": "0"},
+     ("nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged")),
+    ("kvxfer", {},
+     ("tcp-socket", "nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged",
+      "kvxfer-first-read")),
+)
+
+
+def run_two_hosts(cfg: BenchConfig) -> dict:
+    """Run every setting of ``SETTINGS`` between two namespaces; returns one merged report.
+
+    ``cfg.methods``, when given, limits each setting to those of its methods. Raises
+    ``HostsUnavailableError`` (a KvxferError) when namespaces cannot be made (not root).
+    """
+    base_env = {} if "UCX_TLS" in os.environ else {"UCX_TLS": "tcp"}
+    report: dict = {"rows": [], "settings": {}}
+    with two_hosts() as hosts:
+        for name, env, methods in SETTINGS:
+            chosen = tuple(m for m in methods if not cfg.methods or m in cfg.methods)
+            if not chosen:
+                continue
+            run = dataclasses.replace(cfg, device="cpu", scenario="same", methods=chosen, hosts=hosts,
+                                      env={**base_env, **env}, producer_path="staged")
+            part = run_bench(run)
+            part["config"].pop("hosts", None)
+            report["settings"][name] = {"env": run.env, "config": part["config"]}
+            report.setdefault("machine", part["machine"])
+            report.setdefault("scenario", part["scenario"])
+            report["rows"] += [{**row, "setting": name} for row in part["rows"]]
+    report["hosts"] = {"producer": hosts[0].address, "consumer": hosts[1].address, "link": "veth pair"}
+    return add_line_ratios(report)
+
+
+def add_line_ratios(report: dict) -> dict:
+    """Add ``vs_nixl_best`` and ``vs_socket`` to every timed row (same tokens, same run)."""
+    best: dict[int, float] = {}
+    line: dict[int, float] = {}
+    for row in report["rows"]:
+        if "gbps" not in row:
+            continue
+        if row["method"] == "nixl-1desc":
+            best[row["tokens"]] = max(best.get(row["tokens"], 0.0), row["gbps"])
+        elif row["method"] == "tcp-socket":
+            line[row["tokens"]] = row["gbps"]
+    for row in report["rows"]:
+        if "gbps" in row and row["tokens"] in best:
+            row["vs_nixl_best"] = row["gbps"] / best[row["tokens"]]
+        if "gbps" in row and row["tokens"] in line:
+            row["vs_socket"] = row["gbps"] / line[row["tokens"]]
+    return report
+
+
+def table(report: dict) -> str:
+    """Fixed-width rows: tokens, setting, method, MiB, median ms, GB/s, ratios, first-contact figures."""
+    head = ["tokens", "setting", "method", "MiB", "median ms", "GB/s", "/ nixl best", "/ socket", "verified",
+            "notes"]
+    lines = [head]
+    for r in report["rows"]:
+        if "gbps" not in r:
+            why = r.get("skipped") or ("ERROR " + (r.get("error") or "?").strip().splitlines()[-1][:100])
+            lines.append([str(r["tokens"]), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", "-",
+                          "-", "-", why])
+            continue
+        notes = ""
+        if r["method"] == "kvxfer-first-read":
+            notes = (f"handshake {r['handshake_ms']:.1f} ms, first {r['first_ms']:.1f} ms, warm {r['warm_ms']:.1f} ms, "
+                     f"first - warm {r['gap_ms']:.1f} ms")
+        elif r.get("modes"):
+            notes = "path " + "/".join(r["modes"])
+        lines.append([str(r["tokens"]), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}",
+                      f"{r['median_s'] * 1e3:.1f}", f"{r['gbps']:.2f}",
+                      f"{r['vs_nixl_best']:.2f}" if "vs_nixl_best" in r else "-",
+                      f"{r['vs_socket']:.2f}" if "vs_socket" in r else "-",
+                      f"{r['verified']}/{r['verified'] + r['failed']}", notes])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in lines)
