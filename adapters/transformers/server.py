@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP face of ``kvxfer-hf serve`` (layer: adapter; starlette, this package, kvxfer errors).
 
-``GET /health``, ``GET /v1/models`` and ``POST /v1/completions`` with token-id prompts, shaped
+``GET /health``, ``GET /metrics`` (pool occupancy, Prometheus text), ``GET /v1/models`` and ``POST /v1/completions`` with token-id prompts, shaped
 like vLLM's answers (``choices[0].token_ids`` with ``return_token_ids``, ``kv_transfer_params``
 at the top level), so a client and ``kvxfer proxy`` drive it as they drive vLLM. Model work
 runs in a worker thread; the engine serialises forward passes. Bad input gets a 4xx with an
@@ -139,11 +139,24 @@ def answer(req: CompletionRequest, gen: Generation, served_name: str) -> dict[st
     }
 
 
+def metrics_text(engine: HFEngine) -> str:
+    """The pool's occupancy: free and total blocks, requests held for a decoder, quarantined blocks."""
+    t = engine.transfers
+    values = {"kvxfer_hf_kv_blocks_free": engine.pool.free_blocks,
+              "kvxfer_hf_kv_blocks_total": engine.pool.spec.num_blocks,
+              "kvxfer_hf_held_requests": t.held_requests if t is not None else 0,
+              "kvxfer_hf_quarantined_blocks": len(t.quarantined) if t is not None else 0}
+    return "".join(f"{k} {v}\n" for k, v in values.items())
+
+
 def create_app(engine: HFEngine, served_name: str) -> Starlette:
     """The ASGI app over ``engine`` (closing the engine is the caller's job)."""
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(metrics_text(engine), media_type="text/plain; version=0.0.4")
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": served_name, "object": "model",
@@ -169,5 +182,5 @@ def create_app(engine: HFEngine, served_name: str) -> Starlette:
             return error(f"{type(exc).__name__}: {exc}", 503)
         return JSONResponse(answer(req, gen, served_name))
 
-    return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
                              Route("/v1/completions", completions, methods=["POST"])])

@@ -1,7 +1,7 @@
 """Fixtures for the transformers adapter's end-to-end tests: the tiny model and two kvxfer-hf servers.
 
 The two servers are session-scoped so the tf -> tf module and the cross-engine module share
-them: ``hf16`` (block size 16, ``kv_load_failure_policy: fail``) and ``hf32`` (block size 32,
+them: ``hf16`` (block size 16, ``kv_load_failure_policy: fail``, a 6 s producer lease) and ``hf32`` (block size 32,
 the vLLM servers' size, ``recompute``), both on core 0 (vLLM servers take core 1).
 """
 
@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from hf_harness import HF_CORE, HFServer, hf_config, make_tiny_model, port_run, quiet_env, start_all
+from hf_harness import HF16_LEASE_S, HF_CORE, HFServer, hf_config, make_tiny_model, port_run, quiet_env, start_all
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,8 @@ def hf_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_servers(hf_model: Path, hf_logs: Path) -> Iterator[dict[str, HFServer]]:
     side = port_run(8)
     servers = {
-        "hf16": HFServer("hf16", hf_model, hf_logs, cpu_bind=HF_CORE, env=quiet_env(side),
+        "hf16": HFServer("hf16", hf_model, hf_logs, cpu_bind=HF_CORE,
+                         env={**quiet_env(side), "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(HF16_LEASE_S)},
                          args=("--block-size", "16", "--kv-transfer-config", hf_config("fail"))),
         "hf32": HFServer("hf32", hf_model, hf_logs, cpu_bind=HF_CORE, env=quiet_env(side + 4),
                          args=("--block-size", "32", "--kv-transfer-config", hf_config("recompute"))),

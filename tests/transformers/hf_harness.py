@@ -22,12 +22,15 @@ from vllm_harness import (  # noqa: E402  (re-exported for the test modules)
     post_json, prefill, prompt_of, route_pd, run_concurrently, start_all,
 )
 
-__all__ = ["HF_CORE", "SERVED_NAME", "Client", "Completion", "HFServer", "ProxyServer", "RequestFailed", "VllmServer",
+__all__ = ["HF16_LEASE_S", "HF_CORE", "SERVED_NAME", "Client", "Completion", "HFServer", "ProxyServer", "RequestFailed", "VllmServer",
            "free_port", "hf_config", "port_run", "make_tiny_model", "post_json", "prefill", "prompt_of", "quiet_env",
            "route_pd", "run_concurrently", "start_all"]
 
 #: Core of every kvxfer-hf server in the tests (vLLM servers take core 1, as in tests/vllm).
 HF_CORE = "0"
+
+#: hf16's producer lease (seconds a prefill holds blocks nobody claims), short for the expiry test.
+HF16_LEASE_S = 6
 
 #: NIXL's progress thread spins a core per agent even when idle (docs/api.md); on 2 shared cores
 #: every server in these tests runs without it.

@@ -13,9 +13,18 @@ import time
 import pytest
 
 from cross_contract import MAX_TOKENS, CrossContract, Route, reference
-from hf_harness import ProxyServer, RequestFailed, port_run, post_json, prefill, prompt_of, route_pd
+from hf_harness import HF16_LEASE_S, ProxyServer, RequestFailed, port_run, post_json, prefill, prompt_of, route_pd
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def wait_for(condition, within: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not seen within {within} s: {what}")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +96,32 @@ class TestTransformersToTransformers(CrossContract):
         assert got_a.token_ids == reference(route, a) and got_a.cached_tokens == 64  # whole blocks of 32
         got = hf32.complete(b, MAX_TOKENS, kv_transfer_params=dict(params))
         assert got.token_ids == reference(route, b) and got.cached_tokens == 0
+
+    def test_blocks_return_to_the_pool_when_the_decoder_is_done(self, route):
+        p = route.prefill
+        free = p.metric("kvxfer_hf_kv_blocks_free")
+        params = prefill(p, prompt_of(3 * 32 + 2, seed=66)).kv_transfer_params
+        assert p.metric("kvxfer_hf_held_requests") >= 1
+        assert p.metric("kvxfer_hf_kv_blocks_free") <= free - 4  # 98 tokens in blocks of 32
+        route.decode.complete(prompt_of(3 * 32 + 2, seed=66), 1, kv_transfer_params=params)
+        wait_for(lambda: p.metric("kvxfer_hf_held_requests") == 0 and p.metric("kvxfer_hf_kv_blocks_free") >= free,
+                 within=10, what="the producer's blocks back in its pool")
+        assert route.decode.metric("kvxfer_hf_quarantined_blocks") == 0
+
+    def test_unclaimed_blocks_expire_with_the_lease_and_a_late_read_recomputes(self, route):
+        # hf16 prefills (lease 6 s) and nobody reads: it frees the blocks when the lease ends;
+        # hf32 (policy recompute) then asks for them: refused, so it computes the prompt itself
+        hf16, hf32 = route.decode, route.prefill
+        free = hf16.metric("kvxfer_hf_kv_blocks_free")
+        prompt = prompt_of(50, seed=67)
+        params = prefill(hf16, prompt).kv_transfer_params
+        assert hf16.metric("kvxfer_hf_held_requests") == 1
+        time.sleep(HF16_LEASE_S / 2)
+        assert hf16.metric("kvxfer_hf_held_requests") == 1  # still held before the lease ends
+        wait_for(lambda: hf16.metric("kvxfer_hf_kv_blocks_free") >= free, within=HF16_LEASE_S + 20,
+                 what="hf16's blocks freed by the lease")
+        got = hf32.complete(prompt, MAX_TOKENS, kv_transfer_params=params)
+        assert got.token_ids == reference(route, prompt) and got.cached_tokens == 0
 
     def test_unreachable_producer_under_fail(self, route):
         params = prefill(route.prefill, prompt_of(40, seed=65)).kv_transfer_params
