@@ -1,5 +1,6 @@
 """Claim round trip on the side channel, back to back vs after the link sat idle (two processes,
-loopback, real ZMQ and NIXL agents). Shows the cost of waking the threads of a round trip.
+loopback, real ZMQ and NIXL agents). Shows the cost of waking the threads of a round trip, and
+the multiplexed session against one request at a time (the previous protocol) in the same run.
 
 Run:  .venv/bin/python benchmarks/claim_latency.py [--requests 30] [--idle-ms 10]
 """
@@ -32,17 +33,27 @@ def main() -> None:
     try:
         agent.register(cache_for(spec, 2))
         links, _ = agent._links_for(prod.address)
-        hot, cold = [], []
-        for i in range(2 * n):
-            idle = i >= n
-            if idle:
-                time.sleep(args.idle_ms / 1e3)
+
+        def claim(rid: str) -> float:
             t0 = time.perf_counter()
-            agent._claim(f"r{i}", ids, links)
-            (cold if idle else hot).append(time.perf_counter() - t0)
+            agent._claim_answers(rid, agent._claim_send(rid, ids, links))
+            return time.perf_counter() - t0
+
+        hot, cold, serial = [], [], []
+        for i in range(n):  # back to back, multiplexed and one-at-a-time interleaved (same run, same peer)
+            hot.append(claim(f"r{i}"))
+            for link in links:
+                link.client.multiplexed = False  # what a peer without PeerInfo.multiplexed gets
+            serial.append(claim(f"r{i}"))
+            for link in links:
+                link.client.multiplexed = link.info.multiplexed
+        for i in range(n, 2 * n):
+            time.sleep(args.idle_ms / 1e3)
+            cold.append(claim(f"r{i}"))
         med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
-        print(f"claim of 512 blocks: back to back median {med(hot):.0f} us; "
-              f"after {args.idle_ms:g} ms idle median {med(cold):.0f} us ({n} each)")
+        print(f"claim of 512 blocks: back to back median {med(hot):.0f} us multiplexed, {med(serial):.0f} us "
+              f"one request at a time (ratio {med(hot) / med(serial):.2f}); after {args.idle_ms:g} ms idle "
+              f"median {med(cold):.0f} us ({n} each)")
     finally:
         agent.close()
         prod.stop()

@@ -91,3 +91,14 @@ def test_make_peer_info_checks_geometry():
 def test_new_engine_id_is_unique_per_start():
     a, b = new_engine_id("prefill-0"), new_engine_id("prefill-0")
     assert a != b and a.startswith("prefill-0-") and b.startswith("prefill-0-")
+
+
+def test_engine_named_matches_an_agent_name_or_one_exact_engine_id():
+    from kvxfer.protocol import engine_named, new_engine_id
+
+    engine = new_engine_id("decode-0")
+    assert engine_named("decode-0", engine) and engine_named(engine, engine)
+    assert not engine_named("decode", engine)                 # a prefix of the name is not the name
+    assert not engine_named("decode-0", "decode-0-notanonce")  # the nonce is 16 hex digits
+    assert not engine_named("decode-0", new_engine_id("decode-00"))
+    assert not engine_named(engine, new_engine_id("decode-0"))  # an exact id names one start only
