@@ -46,6 +46,7 @@ __all__ = [
     "Welcome",
     "check_peer_info",
     "compat_hash",
+    "engine_named",
     "make_peer_info",
     "new_engine_id",
     "spec_from_wire",
@@ -364,6 +365,16 @@ def check_peer_info(info: PeerInfo, compat: str | None = None) -> tuple[KVSpec, 
 def new_engine_id(name: str) -> str:
     """A fresh engine id: ``name`` plus a random nonce, so every agent start is distinguishable."""
     return f"{name}-{secrets.token_hex(8)}"
+
+
+def engine_named(name: str, engine_id: str) -> bool:
+    """Whether ``engine_id`` is the engine ``name`` designates: that exact engine id, or any start
+    of the agent called ``name`` (``name`` + "-" + the 16-hex-digit nonce of ``new_engine_id``)."""
+    if engine_id == name:
+        return True
+    nonce = engine_id[len(name) + 1:]
+    return (engine_id.startswith(name) and engine_id[len(name):len(name) + 1] == "-" and len(nonce) == 16
+            and all(c in "0123456789abcdef" for c in nonce))
 
 
 def make_peer_info(
