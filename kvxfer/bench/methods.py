@@ -384,11 +384,23 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
             raise TransferTimeoutError("kvxfer-agent: the producer still holds requests the consumer read; "
                                        "it was never told they were done")
         time.sleep(1e-3)
-    sent = ag.finished().sent
-    missing = [rid for rid in rids if rid not in sent]
+    # A staged read's hold can end (its last piece served) a moment before its report is filed:
+    # collect reports for a short while before calling a request unreported.
+    sent: set = set()
+    expired: set = set()
+    settle = time.monotonic() + 5.0
+    while True:
+        fin = ag.finished()
+        sent |= set(fin.sent)
+        expired |= set(fin.expired)
+        missing = [rid for rid in rids if rid not in sent]
+        if not missing or time.monotonic() > settle:
+            break
+        time.sleep(5e-3)
     if missing:
         raise TransferFailedError(f"kvxfer-agent: {len(missing)} of {rounds} holds ended without the "
-                                  f"consumer's done notice (e.g. {missing[0]!r})")
+                                  f"consumer's done notice (e.g. {missing[0]!r}; expired: "
+                                  f"{sorted(set(missing) & expired)})")
     return {"rounds": rounds}
 
 
