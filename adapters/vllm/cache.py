@@ -25,12 +25,15 @@ class CacheDescription:
 
     ``head_slices_exact`` is False when the spec reproduces whole blocks byte for byte but
     not the position of single heads inside a block: transfers are then exact only with a
-    peer of the same TP size and layout (the worker refuses the others).
+    peer of the same TP size and layout (the worker refuses the others). ``same_format_only``:
+    whole heads are placed exactly but not every element inside one, so only a peer of the
+    same layout, storage and block size (any TP size) is exact (the worker refuses the others).
     """
 
     spec: KVSpec
     tensors: list[torch.Tensor]
     head_slices_exact: bool = True
+    same_format_only: bool = False  # only peers of the same layout, storage and block size are exact
     note: str = ""
 
 
@@ -93,7 +96,12 @@ def _cpu_interleaved(tensors: list[torch.Tensor], common: dict[str, Any], heads:
         raise LayoutError("expected dense CPU KV-cache tensors; got a strided view")
     flat = [t.view(-1) for t in tensors]
     if HEAD_PACKED in {s.value for s in Storage}:
-        return CacheDescription(KVSpec(**common, layout="HND", storage=HEAD_PACKED), flat)
+        # Measured (transformers adapter, issue 14): inside a head's block the CPU kernel keeps K
+        # dim-major ([head_dim, tokens]) and V token-major, while head_packed reads both token-major.
+        # Whole heads move exactly (any TP ratio); a conversion to another layout would move K wrong.
+        return CacheDescription(KVSpec(**common, layout="HND", storage=HEAD_PACKED), flat,
+                                same_format_only=True,
+                                note="vLLM's CPU cache keeps K dim-major inside a head's block")
     # kvxfer has no storage for a per-head K/V interleave yet. Described as ``packed`` HND, a
     # whole block is the same bytes on both sides (K half + V half = the block), so equal
     # specs transfer exactly; head slices would land in the wrong place.

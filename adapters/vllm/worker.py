@@ -205,8 +205,17 @@ class KvxferWorker:
             raise LoadRefused(
                 f"{cache.note}: a peer with TP {order.remote_tp_size} needs head slices, which this "
                 f"cache description cannot place exactly (local TP {self._tp_size})")
-        return self._require_agent().read((order.host, order.port), list(order.local_blocks),
-                                          list(order.remote_blocks), order.remote_request_id)
+        agent = self._require_agent()
+        if cache is not None and cache.same_format_only:
+            peer = agent.connect(order.host, order.port).spec
+            mine = cache.spec
+            if (peer.layout, peer.storage, peer.block_size) != (mine.layout, mine.storage, mine.block_size):
+                raise LoadRefused(
+                    f"{cache.note}: a peer with layout {peer.layout.value}, storage {peer.storage.value}, "
+                    f"block size {peer.block_size} needs a conversion this cache cannot take exactly "
+                    f"(local {mine.layout.value}, {mine.storage.value}, block size {mine.block_size})")
+        return agent.read((order.host, order.port), list(order.local_blocks),
+                          list(order.remote_blocks), order.remote_request_id)
 
     def _abort(self, order: LoadOrder) -> None:
         try:

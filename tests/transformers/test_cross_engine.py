@@ -126,10 +126,9 @@ def test_nhd_pool_refuses_a_vllm_cpu_producer(vllm_server, hf_servers):
     assert err.value.status == 500 and "dim-major" in err.value.body, err.value.body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vLLM's CPU cache keeps K dim-major per head block; KvxferConnector describes it as head_packed HND "
-    "(token-major K), so the translator writes an NHD producer's K rows transposed (V is exact). Needs a "
-    "K order in kvxfer's KVSpec, or the vLLM adapter refusing converted reads on CPU"))
+# vLLM's CPU cache keeps K dim-major inside a head's block, which kvxfer's head_packed HND does not
+# describe: KvxferConnector refuses any peer of another layout, storage or block size (a converted
+# read would move K transposed). So this pair is refused (the failure policy then applies), never wrong.
 @pytest.mark.compat(producer="transformers", consumer="vLLM", tp="1 -> 1",
                     layout="NHD split, block 32 -> vLLM CPU, block 32", path="staged", device="CPU")
 def test_vllm_cpu_decoder_from_an_nhd_producer(vllm_server, hf_servers):
