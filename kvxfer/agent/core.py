@@ -172,12 +172,14 @@ class Agent:
 
     # ---- producer ------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, consumers: int | None = None,
-             lease: float | None = None) -> None:
+             lease: float | None = None, consumer_engines: Sequence[str] | None = None) -> None:
         """Keep ``block_ids`` readable for ``request_id`` until every consumer is done,
         the request is released, or the lease expires. ``consumers=None``: derived from the
-        first claimant's TP size."""
+        first claimant's TP size. ``consumer_engines``: the consumer engines that may claim,
+        heartbeat, abort or report done (agent names, or exact engine ids); None: anyone."""
         self._check_open()
-        self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease)
+        self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease,
+                          named=tuple(consumer_engines or ()))
         self._wake.set()
 
     def release(self, request_id: str) -> bool:

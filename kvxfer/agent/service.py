@@ -86,6 +86,11 @@ class ProducerService:
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
+            if not leases.may_act(message.request_id, message.engine_id):  # the hold names other engines
+                log.info("refused abort of %r by %s: held for other consumer engines", message.request_id,
+                         message.engine_id)
+                return Refuse(message.request_id, f"request {message.request_id!r} is held for other consumer "
+                                                  f"engines, not {message.engine_id!r}")
             return Ack(released=leases.release(message.request_id, "aborted", consumer=message.engine_id))
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
             leases.done(message.request_id, message.engine_id)

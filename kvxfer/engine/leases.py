@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.errors import ConfigError
 from kvxfer.layout.request import check_block_ids
+from kvxfer.protocol.messages import engine_named
 from kvxfer.types import ReleaseReason
 
 __all__ = ["Hold", "LeaseTable", "ClaimResult", "HoldCounts"]
@@ -41,6 +42,11 @@ class Hold:
     windows: dict[str, float] = field(default_factory=dict)  # claimant -> end of its transfer window
     done_by: set[str] = field(default_factory=set)
     ending: str = ""              # why the hold ends once its windows close ("aborted", "expired")
+    named: tuple[str, ...] = ()   # consumer engines that may act on it (``engine_named``); () = anyone
+
+    def allows(self, consumer: str) -> bool:
+        """Whether ``consumer`` (an engine id) may claim, heartbeat, abort or report done."""
+        return not self.named or any(engine_named(name, consumer) for name in self.named)
 
     def open_windows(self, now: float) -> bool:
         """Whether some claimant that has not reported done may still be moving bytes."""
@@ -106,13 +112,17 @@ class LeaseTable:
                           sum(1 for h in holds if h.open_windows(now)), sum(1 for h in holds if h.ending))
 
     def hold(self, request_id: str, blocks, num_blocks: int, consumers: int | None = None,
-             lease: float | None = None) -> None:
+             lease: float | None = None, named: Sequence[str] = ()) -> None:
         """Hold ``blocks`` for ``request_id``. Re-holding a held request replaces its blocks,
         unless a claim window is open on it (then the blocks may be in use: refused).
 
         Raises:
             BlockIdError: ids that are not distinct integers in ``[0, num_blocks)`` (names the id and bound).
-            ConfigError: ``consumers`` < 1, ``lease`` <= 0, or the request is inside a claim window.
+            ConfigError: ``consumers`` < 1, ``lease`` <= 0, ``named`` not a list of non-empty
+                strings, or the request is inside a claim window.
+
+        ``named``: the consumer engines that may act on the hold (an agent name, every start of
+        that agent, or one exact engine id; see ``kvxfer.protocol.engine_named``); empty: anyone.
         """
         ids = check_block_ids("held", blocks, num_blocks)
         if consumers is not None and (isinstance(consumers, bool) or not isinstance(consumers, int)
@@ -120,13 +130,16 @@ class LeaseTable:
             raise ConfigError(f"consumers must be an integer >= 1; got {consumers!r}")
         if lease is not None and not lease > 0:
             raise ConfigError(f"lease must be positive; got {lease!r}")
+        if isinstance(named, str) or not all(isinstance(n, str) and n for n in named):
+            raise ConfigError(f"consumer engines must be a list of non-empty names; got {named!r}")
         now = self._clock.now()
         with self._lock:
             old = self._holds.get(request_id)
             if old is not None and (old.ending or old.open_windows(now)):
                 raise ConfigError(f"request {request_id!r} is being read (a claim window is open); "
                                   "hold it again once finished() reports it")
-            self._holds[request_id] = Hold(request_id, np.unique(ids), consumers, now + (lease or self._lease))
+            self._holds[request_id] = Hold(request_id, np.unique(ids), consumers, now + (lease or self._lease),
+                                           named=tuple(named))
 
     def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1,
               window: float = 0.0) -> ClaimResult:
@@ -139,6 +152,8 @@ class LeaseTable:
                 return ClaimResult(False, f"request {request_id!r} is not held (unknown, released or expired)")
             if hold.ending:
                 return ClaimResult(False, f"request {request_id!r} was {hold.ending} (freed once its reads end)")
+            if not hold.allows(consumer):
+                return ClaimResult(False, f"request {request_id!r} is held for other consumer engines, not {consumer!r}")
             wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
             missing = wanted[~np.isin(wanted, hold.blocks)]
             if missing.size:
@@ -174,7 +189,7 @@ class LeaseTable:
         with self._lock:
             for rid in request_ids:
                 hold = self._holds.get(rid)
-                if hold is None or hold.ending:
+                if hold is None or hold.ending or not hold.allows(consumer):
                     gone.append(rid)
                 else:
                     hold.deadline = max(hold.deadline, now + self._lease)
@@ -186,7 +201,7 @@ class LeaseTable:
         now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
-            if hold is None:
+            if hold is None or not hold.allows(consumer):
                 return False
             hold.done_by.add(consumer)
             hold.windows.pop(consumer, None)
@@ -199,6 +214,12 @@ class LeaseTable:
             del self._holds[request_id]
         self._on_release(request_id, why)
         return True
+
+    def may_act(self, request_id: str, consumer: str) -> bool:
+        """Whether ``consumer`` may act on ``request_id`` (True when it is not held, or names nobody)."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            return hold is None or hold.allows(consumer)
 
     def release(self, request_id: str, why: str = ReleaseReason.ABORTED, consumer: str | None = None) -> bool:
         """End a hold (producer release or consumer abort). Frees at once unless a claim window
