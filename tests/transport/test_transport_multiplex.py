@@ -158,3 +158,44 @@ def test_an_older_peer_gets_one_bare_frame_at_a_time():
         client.close()
         sock.close()
         ctx.term()
+
+
+def test_agents_talk_to_a_producer_that_does_not_multiplex_one_request_at_a_time():
+    """A producer that announces no ``multiplexed`` (the release before): the consumer's link
+    stays one-at-a-time; reads, heartbeats, Done and abort all work over it."""
+    import msgspec
+    import numpy as np
+
+    from kvxfer import AbortOutcome, Agent, AgentConfig, KVSpec
+    from kvxfer.backend.fake import FakeBackend, FakeWorld
+
+    from agent_helpers_memory import wait_for
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=8, dtype="float16", model="m")
+    world = FakeWorld()
+    agents = []
+    try:
+        for name in ("old-producer", "consumer"):
+            cfg = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=0, handshake_timeout=2.0)
+            agent = Agent(name, spec, cfg, backend=FakeBackend(name, world))
+            agent.register([np.random.default_rng(len(agents)).integers(0, 1 << 16, size=s, dtype=np.uint16)
+                            for s in spec.tensor_shapes()])
+            agents.append(agent)
+        prod, cons = agents
+        current = prod._peer_info
+        prod._peer_info = lambda: msgspec.structs.replace(current(), multiplexed=False)
+        prod.listen()
+        prod.hold("r", [1, 2])
+        prod.hold("q", [3])
+        link = cons.connect(*prod.address)
+        assert link.info.multiplexed is False and link.client.multiplexed is False
+        assert cons.keepalive(prod.address, ["r", "q"]) == []
+        cons.read(prod.address, [5, 6], [1, 2], "r").wait(5)
+        assert wait_for(lambda: not prod.holding("r"))
+        cons._done.send(link, "q")             # a Done on the one-at-a-time session
+        assert wait_for(lambda: not prod.holding("q"))
+        prod.hold("z", [4])
+        assert cons.abort("z", remote=prod.address) is AbortOutcome.RELEASED
+    finally:
+        for agent in agents:
+            agent.close()
