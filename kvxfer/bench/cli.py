@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.two_hosts:
             from kvxfer.bench import twohosts  # noqa: PLC0415
 
-            report = twohosts.run_two_hosts(config_from(args))
+            save = (lambda part: write_json(part, args.json)) if args.json else None
+            report = twohosts.run_two_hosts(config_from(args), save)
         else:
             report = add_ratios(run_bench(config_from(args)))
     except KvxferError as exc:

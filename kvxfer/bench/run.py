@@ -279,6 +279,9 @@ def _short(row: dict) -> str:
     if "skipped" in row:
         return f"{row['method']}: skipped ({row['skipped']})"
     modes = f", path {'/'.join(row['modes'])}" if row.get("modes") else ""
+    if row.get("gap_ms") is not None:  # kvxfer-first-read
+        modes += (f", handshake {row['handshake_ms']:.1f} ms, first {row['first_ms']:.1f} ms, "
+                  f"warm {row['warm_ms']:.1f} ms, first - warm {row['gap_ms']:.1f} ms")
     if row.get("setup_ms") is not None:
         modes += (f", setup {row['setup_ms']:.3f} ms (claims {row['claim_ms']:.3f}), "
                   f"post to done {row['posted_ms']:.3f} ms")

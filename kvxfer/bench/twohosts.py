@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 from kvxfer.bench.hosts import two_hosts
 from kvxfer.bench.run import BenchConfig, run_bench
@@ -36,10 +37,11 @@ SETTINGS = (
 )
 
 
-def run_two_hosts(cfg: BenchConfig) -> dict:
+def run_two_hosts(cfg: BenchConfig, save: Callable[[dict], None] | None = None) -> dict:
     """Run every setting of ``SETTINGS`` between two namespaces; returns one merged report.
 
-    ``cfg.methods``, when given, limits each setting to those of its methods. Raises
+    ``cfg.methods``, when given, limits each setting to those of its methods; ``save`` is called
+    with the report so far after each setting (a long run keeps what it measured). Raises
     ``HostsUnavailableError`` (a KvxferError) when namespaces cannot be made (not root).
     """
     base_env = {} if "UCX_TLS" in os.environ else {"UCX_TLS": "tcp"}
@@ -57,6 +59,8 @@ def run_two_hosts(cfg: BenchConfig) -> dict:
             report.setdefault("machine", part["machine"])
             report.setdefault("scenario", part["scenario"])
             report["rows"] += [{**row, "setting": name} for row in part["rows"]]
+            if save is not None:
+                save(add_line_ratios(report))
     report["hosts"] = {"producer": hosts[0].address, "consumer": hosts[1].address, "link": "veth pair"}
     return add_line_ratios(report)
 
