@@ -1,8 +1,11 @@
 """Per-request work must not grow with the number of blocks in Python (issue: small requests at
 link speed). Counts Python and C calls made by the calling thread for one ``read`` + ``wait`` at
 64 and at 4,096 fragmented blocks: numpy does the per-block work, so the counts must be equal
-within a small margin. A count, not a timing: it is exact on any machine, loaded or not."""
+within a small margin. A count, not a timing. Waits that poll (the side channel's reply) make a
+few more calls when the machine is slow, so each size takes the least of three reads, with the
+garbage collector off (a collection runs other objects' finalizers on this thread)."""
 
+import gc
 import sys
 
 import numpy as np
@@ -31,11 +34,22 @@ def test_read_makes_as_many_calls_for_4096_blocks_as_for_64(harness):
     prod, _ = harness.agent(s, seed=1)
     cons, _ = harness.agent(s, seed=2, listen=False)
     rng = np.random.default_rng(0)
-    counts = {}
-    for n in (64, 64, 4096):  # the first read warms the link and the plan's per-peer tables
-        src, dst = rng.permutation(s.num_blocks)[:n], rng.permutation(s.num_blocks)[:n]
-        rid = f"r{n}-{len(counts)}"
-        prod.hold(rid, src)
-        counts[rid] = (n, _calls(lambda: cons.read(prod.address, dst, src, rid, timeout=10).wait(10)))
-    (_, small), (_, big) = list(counts.values())[1:]
+
+    def least_calls(n: int, reads: int = 3) -> int:
+        best = None
+        for i in range(reads):
+            src, dst = rng.permutation(s.num_blocks)[:n], rng.permutation(s.num_blocks)[:n]
+            rid = f"r{n}-{i}"
+            prod.hold(rid, src)
+            gc.collect()
+            gc.disable()
+            try:
+                calls = _calls(lambda: cons.read(prod.address, dst, src, rid, timeout=10).wait(10))
+            finally:
+                gc.enable()
+            best = calls if best is None else min(best, calls)
+        return best
+
+    least_calls(64, 1)  # warms the link and the plan's per-peer tables
+    small, big = least_calls(64), least_calls(4096)
     assert big <= small * 1.1 + 20, f"{small} calls for 64 blocks, {big} for 4096: per-block Python work"
