@@ -13,4 +13,4 @@ if ! "$BIN/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available(
   echo "   (no CUDA GPU here: the GPU test group, marked 'gpu', is not selected)"
   marks="$marks and not gpu"
 fi
-exec "$BIN/python" -m pytest -q -p no:cacheprovider -m "${KVXFER_TEST_MARKS:-$marks}" "$@"
+exec "$BIN/python" -m pytest -q -p no:cacheprovider --durations=25 -m "${KVXFER_TEST_MARKS:-$marks}" "$@"
