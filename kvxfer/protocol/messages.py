@@ -188,8 +188,8 @@ class Grant(_Msg, frozen=True):
 
     request_id: Id
     lease_remaining: Seconds
-    staging_offset: Annotated[int, Meta(ge=-1, le=(1 << 63) - 1)] = -1
-    staging_bytes: NonNeg = 0
+    # (protocol 1 as first released also had staging_offset/staging_bytes here; never set or read,
+    # so they were dropped: a peer that still sends them is decoded with them ignored)
 
 
 class Refuse(_Msg, frozen=True):

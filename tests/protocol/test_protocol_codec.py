@@ -34,7 +34,7 @@ from proto_helpers import KEY, codec, info, spec
 MESSAGES = [
     Hello(info()), Welcome(info("eng-b")), Reject("model", "nope"),
     Claim("req-1", [0, 5, 2**40], "eng-a"), Grant("req-1", 479.5),
-    Grant("req-1", 1.0, staging_offset=4096, staging_bytes=1 << 20), Refuse("req-1", "lease expired"),
+    Grant("req-1", 1.0), Refuse("req-1", "lease expired"),
     Heartbeat(["req-1", "req-2"], "eng-a"), HeartbeatAck(["req-1"], ["req-2"]), Abort("req-1", "eng-a"),
     Ack(), PackRequest("req-1", [3, 1], 0, 4), PackReady("req-1", 0, 8192),
 ]

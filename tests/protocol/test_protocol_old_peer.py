@@ -144,8 +144,16 @@ def test_old_decoder_ignores_the_appended_fields():
     assert got == old_info(current)
 
 
+def test_a_grant_with_the_dropped_staging_fields_still_decodes():
+    """Grant's staging_offset/staging_bytes (never used) were dropped; a peer that sends them is understood."""
+    c = codec()
+    body = {"type": "Grant", "request_id": "r", "lease_remaining": 3.5, "staging_offset": 4096,
+            "staging_bytes": 512}
+    assert c._decode_body(c._decoder, msgspec.msgpack.encode(body)) == Grant("r", 3.5)
+
+
 @pytest.mark.parametrize("msg", [
-    Grant("r", 3.5, staging_offset=4096, staging_bytes=512),
+    Claim("r", [1, 2], "eng", 3.0),
     PackRequest("r", [1, 2], 0, 4, consumer_ids=[3, 4], tag=9, piece_bytes=1024, timeout=5.0),
 ], ids=lambda m: type(m).__name__)
 def test_every_defaulted_field_may_be_left_out(msg):
