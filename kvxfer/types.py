@@ -39,6 +39,9 @@ class TransferPath(str, enum.Enum):
     STAGED = "staged"
     IPC = "ipc"
 
+    def __str__(self) -> str:  # "direct", as in logs, tables and f-strings
+        return self.value
+
 
 class ReleaseReason(str, enum.Enum):
     """Why a producer's hold ended (its blocks are free): every consumer reported done (SENT),
@@ -47,6 +50,9 @@ class ReleaseReason(str, enum.Enum):
     SENT = "sent"
     ABORTED = "aborted"
     EXPIRED = "expired"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class AbortOutcome(str, enum.Enum):
