@@ -130,7 +130,7 @@ def test_nhd_pool_refuses_a_vllm_cpu_producer(vllm_server, hf_servers):
 # describe: KvxferConnector refuses any peer of another layout, storage or block size (a converted
 # read would move K transposed). So this pair is refused (the failure policy then applies), never wrong.
 @pytest.mark.compat(producer="transformers", consumer="vLLM", tp="1 -> 1",
-                    layout="NHD split, block 32 -> vLLM CPU, block 32", path="staged", device="CPU")
+                    layout="NHD split, block 32 -> vLLM CPU, block 32", path="refused (K order)", device="CPU")
 def test_vllm_cpu_decoder_from_an_nhd_producer(vllm_server, hf_servers):
     prompt = prompt_of(70, seed=6)
     want = vllm_server.client().complete(prompt, MAX_TOKENS).token_ids
