@@ -13,7 +13,10 @@ drives through two queues.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import random
 import socket
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -26,27 +29,45 @@ __all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "Prod
            "free_port_block", "logical_kv", "serve_commands"]
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out for ``bind(0)`` and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+
+
 def free_port_block(n: int = 4) -> int:
-    """A base port with ``n`` consecutive ports free on 127.0.0.1 right now (best effort)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
+    """A base port with ``n`` consecutive ports free on 127.0.0.1 right now (best effort).
+
+    Ports come from below the kernel's ephemeral range, so that sockets other processes open
+    meanwhile (UCX's TCP listeners, outgoing connections) cannot take them before the agent
+    that was given them binds; a port is never handed out twice in one process."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(10000, max(10001, low - n))
+        span = range(base, base + n)
+        if any(port in _handed_out for port in span):
             continue
         socks = []
         try:
-            for port in range(base, base + n):
+            for port in span:
                 t = socket.socket()
                 socks.append(t)
                 t.bind(("127.0.0.1", port))
-            return base
         except OSError:
             continue
         finally:
             for t in socks:
                 t.close()
-    raise RuntimeError(f"no run of {n} free ports found")
+        _handed_out.update(span)
+        return base
+    raise RuntimeError(f"no run of {n} free ports found below {low}")
 
 
 def logical_kv(spec: KVSpec, tensors: list[np.ndarray], ids) -> np.ndarray:
@@ -111,7 +132,17 @@ class ProducerProcess:
             self.ready()
 
     def ready(self) -> "ProducerProcess":
-        tag, self.address = self.out.get(timeout=300)  # generous: CI hosts can be loaded
+        deadline = time.monotonic() + 300  # generous: CI hosts can be loaded
+        while True:
+            try:
+                tag, self.address = self.out.get(timeout=1)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"producer process exited with code {self.proc.exitcode} "
+                                       "before it was ready (its stderr says why)") from None
+                if time.monotonic() > deadline:
+                    raise
         if tag != "ready":
             raise RuntimeError(f"producer process answered {tag!r} before it was ready")
         return self
