@@ -67,6 +67,12 @@ class AgentConfig:
             Like the side channel, TP rank r of DP rank d serves on ``base + d * tp_size + r``.
             Binds ``side_channel_host`` when set, else every interface. Needs ``prometheus-client``
             (``pip install kvxfer[metrics]``); docs/metrics.md lists the metrics.
+        express_port: where this agent's *express lane* listens (env ``KVXFER_EXPRESS_PORT``): after
+            the handshake on the ZMQ side channel, each session's claims, Done, aborts and
+            heartbeats travel on one plain TCP connection to this port, which wakes fewer threads
+            per round trip (docs/protocol.md). ``0`` (default): a free port, announced in the
+            handshake; a number: ``base + d * tp_size + r`` like the side channel (for firewalls);
+            ``None`` (env ``off``): no lane here, and none used towards peers.
     """
 
     side_channel_host: str | None = None
@@ -86,6 +92,7 @@ class AgentConfig:
     pipeline_slots: int = 8
     nixl_progress_thread: bool = True
     metrics_port: int | None = None
+    express_port: int | None = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.backends, str) or not all(isinstance(b, str) and b for b in self.backends):
@@ -116,6 +123,10 @@ class AgentConfig:
                                               or not isinstance(self.metrics_port, int)
                                               or not 0 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics_port must be an integer in [0, 65535] or None; got {self.metrics_port!r}")
+        if self.express_port is not None and (isinstance(self.express_port, bool)
+                                              or not isinstance(self.express_port, int)
+                                              or not 0 <= self.express_port <= 65535):
+            raise ConfigError(f"express_port must be an integer in [0, 65535] or None; got {self.express_port!r}")
         if isinstance(self.auth_key, str):
             object.__setattr__(self, "auth_key", self.auth_key.encode())
 
@@ -153,6 +164,20 @@ class AgentConfig:
             if not 0 <= port <= 65535:
                 raise ConfigError(f"KVXFER_METRICS_PORT must be a port number in [0, 65535]; got {metrics!r}")
             values["metrics_port"] = port
+        express = os.environ.get("KVXFER_EXPRESS_PORT")
+        if express and express.strip():
+            text = express.strip().lower()
+            if text in ("off", "none", "no"):
+                values["express_port"] = None
+            else:
+                try:
+                    port = int(text)
+                except ValueError:
+                    port = -1
+                if not 0 <= port <= 65535:
+                    raise ConfigError(f"KVXFER_EXPRESS_PORT must be a port number in [0, 65535] or 'off'; "
+                                      f"got {express!r}")
+                values["express_port"] = port
         values.update(overrides)
         return cls(**values)
 

@@ -96,7 +96,8 @@ class Agent:
         self._address: tuple[str, int] | None = None
         self._peers = PeerDirectory(self._codec, self._peer_info, backend.add_peer,
                                     backend.remove_peer, self.config.handshake_timeout,
-                                    getattr(backend, "connect", None), channel=self._transport.channel)
+                                    getattr(backend, "connect", None), channel=self._transport.channel,
+                                    express=self.config.express_port is not None)
         self._claims: dict[str, list[PeerLink]] = {}
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
         self._done = DoneSender(self.engine_id, self._ask_engine, notify=self._notify_done)
@@ -148,10 +149,16 @@ class Agent:
         host, port = side_channel_address(
             self.config.side_channel_host, self.config.side_channel_port,
             dp_rank=self.config.dp_rank, tp_rank=self.spec.tp_rank, tp_size=self.spec.tp_size)
+        express = self.config.express_port
+        if express:  # a fixed base port: offset by rank like the side channel
+            express += self.config.dp_rank * self.spec.tp_size + self.spec.tp_rank
+            if express > 65535:
+                raise ConfigError(f"express_port {self.config.express_port} + rank offset passes 65535")
         self._server = self._transport.listener(host, port, self._service.make_session,
                                                 max_bytes=self.config.max_message_bytes,
                                                 pinned=self._service.pinned,
-                                                authenticated=self._codec.authenticated)
+                                                authenticated=self._codec.authenticated,
+                                                express_port=express)
         self._address = self._server.start()
         log.info("agent %s listening on %s:%d", self.engine_id, *self._address)
         return self._address
@@ -444,7 +451,8 @@ class Agent:
     def _peer_info(self):
         host, port = self._address or ("", 0)
         info = make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
-                              self._backend.metadata(), host, port, self.config.lease_timeout)
+                              self._backend.metadata(), host, port, self.config.lease_timeout,
+                              express_port=getattr(self._server, "express_port", 0))
         return msgspec.structs.replace(info, **self._kit.peer_fields()) if self._kit is not None else info
 
     def _links_for(self, remote: tuple[str, int],

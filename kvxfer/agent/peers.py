@@ -131,7 +131,8 @@ class PeerDirectory:
 
     def __init__(self, codec: Codec, local_info: Callable[[], PeerInfo], add_peer: Callable[[bytes], str],
                  remove_peer: Callable[[str], None], timeout: float,
-                 connect: Callable[[str], None] | None = None, channel: Callable[..., Channel] | None = None) -> None:
+                 connect: Callable[[str], None] | None = None, channel: Callable[..., Channel] | None = None,
+                 express: bool = True) -> None:
         self._codec = codec
         self._local_info = local_info
         self._add_peer = add_peer
@@ -139,6 +140,7 @@ class PeerDirectory:
         self._timeout = timeout
         self._connect = connect
         self._channel = channel or SideChannelClient  # (host, port, max_bytes=) -> Channel
+        self._express = express   # attach an express lane where the peer offers one
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._gates: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
@@ -221,6 +223,8 @@ class PeerDirectory:
             info = session.receive_welcome(reply)  # validates the peer's spec and geometry
             client.multiplexed = info.multiplexed  # from now on requests carry ids (current peers)
             welcomed = time.perf_counter()
+            self._attach_express(client, host, info, timeout or self._timeout)
+            laned = time.perf_counter()
             agent_name = self._add_peer(info.backend_metadata)
             loaded = time.perf_counter()
             if self._connect is not None:
@@ -230,7 +234,7 @@ class PeerDirectory:
         except BaseException:
             client.close()
             raise
-        timings = {"hello": welcomed - started, "metadata": loaded - welcomed,
+        timings = {"hello": welcomed - started, "express": laned - welcomed, "metadata": loaded - laned,
                    "connect": time.perf_counter() - loaded}
         spec = session.peer_spec
         log.info("handshake with %s:%d: engine %s, tp %d/%d, %s %s (hello %.1f ms, metadata load %.1f ms, "
@@ -239,6 +243,18 @@ class PeerDirectory:
                  timings["connect"] * 1e3)
         return PeerLink(host, port, info, CacheView(spec, session.peer_geometry), agent_name, client, session,
                         timings=timings, generation=client.generation)
+
+    def _attach_express(self, client: Channel, host: str, info: PeerInfo, timeout: float) -> None:
+        """Move the session's requests to the peer's express lane, if both sides have one; a lane
+        that cannot be opened (e.g. a firewall) leaves them on the side channel, with a warning."""
+        attach = getattr(client, "attach_express", None)
+        if not (self._express and info.express_port and attach is not None):
+            return
+        try:
+            attach(info.express_port, timeout)
+        except KvxferError as exc:
+            log.warning("express lane to %s (%s:%d) not opened: %s; its requests use the side channel",
+                        info.engine_id, host, info.express_port, exc)
 
     def links(self) -> list[PeerLink]:
         with self._lock:

@@ -18,6 +18,8 @@ after it, so a read that succeeds never overlapped a free.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -43,6 +45,23 @@ class Hold:
     done_by: set[str] = field(default_factory=set)
     ending: str = ""              # why the hold ends once its windows close ("aborted", "expired")
     named: tuple[str, ...] = ()   # consumer engines that may act on it (``engine_named``); () = anyone
+    _members: frozenset | None = None  # ``blocks`` as a set, built when a claim names other ids
+    _given: list | None = None         # the ids as ``hold`` got them (a claim usually names exactly these)
+
+    def missing(self, wanted) -> int | None:
+        """The first of ``wanted`` (ints) not held, or None when all are: a list compare when the
+        claim names the held ids in their order, else one C-level set test."""
+        if isinstance(wanted, list) and wanted == self._given:
+            return None
+        if self._members is None:
+            self._members = frozenset(self.blocks.tolist())
+        try:
+            if self._members.issuperset(wanted):
+                return None
+        except TypeError:  # not hashable ints: let the caller's checks name it
+            pass
+        return next((int(b) for b in np.asarray(wanted, dtype=np.int64).reshape(-1).tolist()
+                     if b not in self._members), None)
 
     def allows(self, consumer: str) -> bool:
         """Whether ``consumer`` (an engine id) may claim, heartbeat, abort or report done."""
@@ -71,7 +90,9 @@ class HoldCounts:
 
 
 class LeaseTable:
-    """Thread-safe table of holds. Every method is O(blocks of one request) at most.
+    """Thread-safe table of holds. Every method is O(blocks of one request) at most; ``expire``
+    looks only at the holds whose lease or window may have passed (a heap of due times), so a
+    producer holding thousands of requests pays nothing per idle hold.
 
     Args:
         lease: seconds an unclaimed hold lives (and the window of a claim that names none).
@@ -92,6 +113,8 @@ class LeaseTable:
         self._max_window = max(max_window, lease)
         self._clock = clock or MonotonicClock()
         self._holds: dict[str, Hold] = {}
+        self._due: list[tuple[float, int, str]] = []  # (when, seq, request id): look at it then
+        self._seq = itertools.count()
         self._lock = threading.Lock()
         self._on_release = on_release or (lambda request_id, why: None)
 
@@ -138,8 +161,11 @@ class LeaseTable:
             if old is not None and (old.ending or old.open_windows(now)):
                 raise ConfigError(f"request {request_id!r} is being read (a claim window is open); "
                                   "hold it again once finished() reports it")
-            self._holds[request_id] = Hold(request_id, np.unique(ids), consumers, now + (lease or self._lease),
-                                           named=tuple(named))
+            unique = np.unique(ids)
+            deadline = now + (lease or self._lease)
+            self._holds[request_id] = Hold(request_id, unique, consumers, deadline,
+                                           named=tuple(named), _given=ids.tolist())
+            self._look_at(request_id, deadline)
 
     def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1,
               window: float = 0.0) -> ClaimResult:
@@ -154,10 +180,9 @@ class LeaseTable:
                 return ClaimResult(False, f"request {request_id!r} was {hold.ending} (freed once its reads end)")
             if not hold.allows(consumer):
                 return ClaimResult(False, f"request {request_id!r} is held for other consumer engines, not {consumer!r}")
-            wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
-            missing = wanted[~np.isin(wanted, hold.blocks)]
-            if missing.size:
-                return ClaimResult(False, f"block {int(missing[0])} is not held for request {request_id!r}")
+            missing = hold.missing(blocks)
+            if missing is not None:
+                return ClaimResult(False, f"block {missing} is not held for request {request_id!r}")
             if hold.expected is None:
                 hold.expected = expected_if_unset
             now = self._clock.now()
@@ -165,6 +190,7 @@ class LeaseTable:
             hold.windows[consumer] = max(hold.windows.get(consumer, 0.0), until)
             hold.done_by.discard(consumer)  # a claim after a done starts a new read
             hold.deadline = max(hold.deadline, now + self._lease)
+            self._look_at(request_id, until)
             return ClaimResult(True, lease_remaining=until - now)
 
     def check_claimed(self, request_id: str, consumer: str, blocks) -> str:
@@ -176,10 +202,9 @@ class LeaseTable:
                 return f"request {request_id!r} is not held (unknown, released or expired)"
             if hold.windows.get(consumer, 0.0) <= now:
                 return f"request {request_id!r} was not claimed by {consumer!r} (or its claim window closed)"
-            wanted = np.asarray(blocks, dtype=np.int64).reshape(-1)
-            missing = wanted[~np.isin(wanted, hold.blocks)]
-            if missing.size:
-                return f"block {int(missing[0])} is not held for request {request_id!r}"
+            missing = hold.missing(blocks)
+            if missing is not None:
+                return f"block {missing} is not held for request {request_id!r}"
         return ""
 
     def heartbeat(self, request_ids, consumer: str) -> tuple[list[str], list[str]]:
@@ -210,6 +235,7 @@ class LeaseTable:
             elif hold.ending and not hold.open_windows(now):
                 why = hold.ending
             else:
+                self._look_at(request_id, now)  # the windows left decide: look at it again
                 return False
             del self._holds[request_id]
         self._on_release(request_id, why)
@@ -238,6 +264,7 @@ class LeaseTable:
                 hold.windows.pop(consumer, None)
             if hold.open_windows(now):
                 hold.ending = why
+                self._look_at(request_id, now)
                 return True
             del self._holds[request_id]
         self._on_release(request_id, why)
@@ -250,15 +277,33 @@ class LeaseTable:
         now = self._clock.now()
         freed: list[tuple[str, str]] = []
         with self._lock:
-            for rid, hold in list(self._holds.items()):
+            looked: set[str] = set()
+            while self._due and self._due[0][0] <= now:
+                rid = heapq.heappop(self._due)[2]
+                hold = self._holds.get(rid)
+                if hold is None or rid in looked:
+                    continue
+                looked.add(rid)
                 lapsed = bool(hold.windows) and not hold.open_windows(now)
                 if not hold.ending and hold.deadline > now and not lapsed:
+                    self._look_at(rid, _next_change(hold, now))
                     continue
                 if hold.open_windows(now):
                     hold.ending = hold.ending or ReleaseReason.EXPIRED
+                    self._look_at(rid, _next_change(hold, now))
                     continue
                 freed.append((rid, hold.ending or ReleaseReason.EXPIRED))
                 del self._holds[rid]
         for rid, why in freed:
             self._on_release(rid, why)
         return [rid for rid, _ in freed]
+
+    def _look_at(self, request_id: str, when: float) -> None:
+        """Have ``expire`` look at ``request_id`` once ``when`` has come (caller holds the lock)."""
+        heapq.heappush(self._due, (when, next(self._seq), request_id))
+
+
+def _next_change(hold: Hold, now: float) -> float:
+    """The next time ``hold``'s fate may change by itself: its lease or a window passing."""
+    later = [t for t in (hold.deadline, *hold.windows.values()) if t > now]
+    return min(later) if later else now + 0.01

@@ -147,6 +147,9 @@ class PeerInfo(msgspec.Struct, frozen=True):
     # Appended: this agent's listener takes multiplexed requests (an id before each frame, echoed
     # on the reply), so a client may keep several in flight on one session. Older peers: False.
     multiplexed: bool = False
+    # Appended: the port of this agent's express lane (per-request frames over plain TCP, on
+    # ``listen_host``; see kvxfer.transport.express). 0: none, requests stay on the side channel.
+    express_port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
 
 class Hello(_Msg, frozen=True):
@@ -380,7 +383,7 @@ def engine_named(name: str, engine_id: str) -> bool:
 def make_peer_info(
     engine_id: str, agent_name: str, spec: KVSpec, geometry: CacheGeometry,
     backend_metadata: bytes, listen_host: str = "", listen_port: int = 0,
-    lease_timeout: float = 480.0, multiplexed: bool = True,
+    lease_timeout: float = 480.0, multiplexed: bool = True, express_port: int = 0,
 ) -> PeerInfo:
     """Build this agent's ``PeerInfo`` from its spec and geometry.
 
@@ -393,5 +396,5 @@ def make_peer_info(
         bases=geometry.bases.tolist(), device=int(geometry.device),
         mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
         listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
-        multiplexed=bool(multiplexed),
+        multiplexed=bool(multiplexed), express_port=int(express_port),
     )

@@ -182,7 +182,9 @@ class MemoryTransport:
         self.network = network or MemoryNetwork()
 
     def listener(self, host: str, port: int, make_session: Callable[[], ServerSession], *,
-                 max_bytes: int = DEFAULT_MAX_BYTES, pinned=None, authenticated=None) -> MemoryListener:
+                 max_bytes: int = DEFAULT_MAX_BYTES, pinned=None, authenticated=None,
+                 express_port: int | None = None) -> MemoryListener:
+        """A listener in ``network`` (``express_port`` is ignored: requests are answered in the caller's thread)."""
         return MemoryListener(self.network, host, port, make_session, max_bytes)
 
     def channel(self, host: str, port: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> MemoryChannel:

@@ -18,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.errors import ClosedError, ConfigError
 from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession
+from kvxfer.transport.express_server import ExpressPort
 from kvxfer.transport.sessions import LogLimiter, SessionTable
 from kvxfer.transport.zmq_client import (
     MUX_HEADER, MUX_MAGIC, PendingReply, SideChannelClient, check_port, endpoint, monitor_ids, shared_context,
@@ -51,13 +52,20 @@ class SideChannelServer:
         authenticated: whether frames carry an HMAC (``Codec.authenticated``); ``False`` on a
             non-loopback address logs one warning at ``start``. ``None``: unknown, no warning.
         log_interval: seconds between two log lines of one rejection reason.
+        express_port: also listen for express lanes on this port of ``host`` (0: ephemeral;
+            None: no lane, every request on ZMQ); see ``kvxfer.transport.express``. The bound
+            port is ``express_port`` after ``start`` (0 when off).
     """
 
     def __init__(self, host: str, port: int, make_session: Callable[[], ServerSession],
                  max_bytes: int = DEFAULT_MAX_BYTES, max_clients: int = 4096, per_address: int = 256,
                  pinned: Callable[[ServerSession], bool] | None = None,
-                 authenticated: bool | None = None, log_interval: float = 10.0):
+                 authenticated: bool | None = None, log_interval: float = 10.0,
+                 express_port: int | None = None):
         endpoint(host, check_port(port))
+        self._express_wanted = None if express_port is None else check_port(express_port)
+        self._express: ExpressPort | None = None
+        self.express_port = 0
         self.host, self.port = host, port
         self._make_session = make_session
         self._max_bytes = max_bytes
@@ -98,6 +106,14 @@ class SideChannelServer:
             ) from None
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(bound.rsplit(":", 1)[1])
+        if self._express_wanted is not None:
+            try:
+                self._express = ExpressPort(self.host, self._express_wanted, self._max_bytes, self._answer_known,
+                                            self._known, self._rejected, max_connections=self._table.max_sessions)
+            except ConfigError:
+                sock.close(linger=0)
+                raise
+            self.express_port = self._express.port
         address = f"inproc://kvxfer-server-monitor-{next(monitor_ids)}"
         sock.monitor(address, zmq.EVENT_DISCONNECTED)
         self._monitor = shared_context().socket(zmq.PAIR)
@@ -128,6 +144,7 @@ class SideChannelServer:
         ``evicted``, ``refused`` (table full of pinned sessions) and ``disconnected``."""
         with self._lock:
             return {"sessions": len(self._table), "frames": self._frames,
+                    "express": self._express.connections() if self._express is not None else 0,
                     "rejected": dict(self._limiter.counts), "evicted": self._table.evicted,
                     "refused": self._table.refused, "disconnected": self._table.disconnected}
 
@@ -136,9 +153,18 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        express = self._express
+        if express is not None:
+            express.register(poller)
         try:
             while not self._stop.is_set():
-                if not poller.poll(_POLL_MS):
+                events = poller.poll(_POLL_MS)
+                if express is not None:
+                    express.sweep(poller)
+                    for fd, flags in events:
+                        if isinstance(fd, int) and express.owns(fd):
+                            express.handle(fd, flags, poller)
+                if not events:
                     continue
                 # Disconnects first: a socket number may be reused by the next connection.
                 self._drain_disconnects(monitor)
@@ -151,6 +177,8 @@ class SideChannelServer:
         except Exception:  # the listener dying silently would strand every client
             log.exception("side channel server on port %s stopped", self.port)
         finally:
+            if express is not None:
+                express.close(poller)
             try:
                 sock.disable_monitor()
             except zmq.ZMQError:
@@ -187,27 +215,46 @@ class SideChannelServer:
             mux, frame = frame[:MUX_HEADER], frame[MUX_HEADER:]
         with self._lock:
             session = self._table.get(identity)
-        fresh = session is None
-        if fresh:
+        if session is not None:
+            reply = self._answer(identity, session, frame)
+        else:
             session = self._make_session()
-        before = session.rejected
-        reply = session.receive(frame)
-        if session.rejected != before:
-            self._rejected(session.last_reject[0], session.last_reject[1])
-        if fresh and session.state == "ready":
-            address, fd = _peer_of(frames[-1])
-            with self._lock:
-                kept = self._table.add(identity, address, session, fd)
-            if not kept:
-                reply = session.refuse_busy("every session this server may keep is in use")
-                self._rejected("busy", "a handshake was refused: every session is pinned by claims in flight")
-        elif not fresh:
-            with self._lock:
-                self._table.touch(identity, request=session.state == "ready" and session.rejected == before)
+            before = session.rejected
+            reply = session.receive(frame)
+            if session.rejected != before:
+                self._rejected(session.last_reject[0], session.last_reject[1])
+            if session.state == "ready":
+                address, fd = _peer_of(frames[-1])
+                with self._lock:
+                    kept = self._table.add(identity, address, session, fd)
+                if not kept:
+                    reply = session.refuse_busy("every session this server may keep is in use")
+                    self._rejected("busy", "a handshake was refused: every session is pinned by claims in flight")
         try:
             sock.send_multipart([*envelope, mux + reply], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client went away or its queue is full
             self._rejected("unsent", f"reply not sent: {exc}")
+
+    def _answer(self, identity: bytes, session: ServerSession, frame: bytes) -> bytes:
+        """A kept session's reply to one frame (from ZMQ or its express lane)."""
+        before = session.rejected
+        reply = session.receive(frame)
+        if session.rejected != before:
+            self._rejected(session.last_reject[0], session.last_reject[1])
+        with self._lock:
+            self._table.touch(identity, request=session.state == "ready" and session.rejected == before)
+        return reply
+
+    def _answer_known(self, identity: bytes, frame: bytes) -> bytes | None:
+        """An express lane's frame: answered by its session, or None when that session is gone."""
+        with self._lock:
+            self._frames += 1
+            session = self._table.get(identity)
+        return None if session is None else self._answer(identity, session, frame)
+
+    def _known(self, identity: bytes) -> bool:
+        with self._lock:
+            return self._table.get(identity) is not None
 
     def _rejected(self, reason: str, detail: str) -> None:
         with self._lock:
@@ -255,9 +302,9 @@ class ZmqTransport:
 
     def listener(self, host: str, port: int, make_session: Callable[[], ServerSession], *,
                  max_bytes: int = DEFAULT_MAX_BYTES, pinned: Callable[[ServerSession], bool] | None = None,
-                 authenticated: bool | None = None) -> SideChannelServer:
+                 authenticated: bool | None = None, express_port: int | None = None) -> SideChannelServer:
         return SideChannelServer(host, port, make_session, max_bytes=max_bytes, pinned=pinned,
-                                 authenticated=authenticated)
+                                 authenticated=authenticated, express_port=express_port)
 
     def channel(self, host: str, port: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> SideChannelClient:
         return SideChannelClient(host, port, max_bytes=max_bytes)

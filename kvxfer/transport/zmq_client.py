@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import secrets
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, PeerLostError, ProtocolError, TransferTimeoutError
 from kvxfer.protocol import DEFAULT_MAX_BYTES
+from kvxfer.transport.express import ExpressLane
 
 __all__ = ["MUX_HEADER", "MUX_MAGIC", "PendingReply", "SideChannelClient", "check_port", "endpoint", "shared_context"]
 
@@ -74,6 +76,9 @@ class SideChannelClient:
 
     def __init__(self, host: str, port: int, max_bytes: int = DEFAULT_MAX_BYTES):
         self.endpoint = endpoint(host, check_port(port))
+        self._host = host
+        self._identity = b""                   # this socket's routing id (names the session to an express lane)
+        self._lane: ExpressLane | None = None  # carries the requests once attached
         self.multiplexed = False
         self.generation = 0
         self._max_bytes = max_bytes
@@ -129,6 +134,8 @@ class SideChannelClient:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
             if self.endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            self._identity = b"\x01" + secrets.token_bytes(15)  # ZMQ reserves ids that start with 0
+            sock.setsockopt(zmq.ROUTING_ID, self._identity)
             address = f"inproc://kvxfer-monitor-{next(monitor_ids)}"
             sock.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self._monitor = ctx.socket(zmq.PAIR)
@@ -154,6 +161,9 @@ class SideChannelClient:
     def _reset(self, error: KvxferError | None = None) -> None:
         """Discard the socket; every request in flight fails with ``error`` (a late reply can never
         answer a later request: the next socket is a new identity)."""
+        if self._lane is not None:
+            self._lane.close(error or PeerLostError(f"side channel {self.endpoint}: the socket was reset"))
+            self._lane = None
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -241,6 +251,11 @@ class SideChannelClient:
         """
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds; got {timeout!r}")
+        lane = self._lane
+        if lane is not None:
+            if self._closed:
+                raise ClosedError(f"side channel client for {self.endpoint} was closed")
+            return lane.send(frame, timeout)
         serial = not self.multiplexed
         limit = self._max_bytes - (0 if serial else MUX_HEADER)  # the id travels in the same ZMQ frame
         if len(frame) > limit:
@@ -321,11 +336,40 @@ class SideChannelClient:
             with self._socket_turn():
                 self._reset()  # the late reply must not answer the next request
 
+    def attach_express(self, port: int, timeout: float) -> None:
+        """Carry this session's later requests on an express lane to ``port`` on the peer's host
+        (``kvxfer.transport.express``); call after the handshake, once the peer announced the port.
+
+        Raises:
+            PeerLostError, TransferTimeoutError: no lane (the caller may go on over ZMQ).
+            ClosedError: after ``close()``.
+        """
+        with self._socket_turn(timeout):
+            if self._closed:
+                raise ClosedError(f"side channel client for {self.endpoint} was closed")
+            self._ensure()
+            identity, generation = self._identity, self.generation
+        lane = ExpressLane(self._host, check_port(port), identity, self._max_bytes, timeout)
+        with self._socket_turn():
+            if self._closed or self.generation != generation:
+                lane.close()
+                raise PeerLostError(f"side channel {self.endpoint}: the socket was reset while the express "
+                                    "lane attached")
+            old, self._lane = self._lane, lane
+        if old is not None:
+            old.close()
+
+    @property
+    def express(self) -> bool:
+        """Whether requests travel on an express lane."""
+        return self._lane is not None
+
     def stale(self) -> bool:
         """Whether a session handshaken on this client may be gone at the server: the client was
-        closed, or its connection dropped since (the peer may have restarted; ZMQ reconnects
-        silently). Never blocks: False while another caller holds the socket."""
-        if self._closed:
+        closed, its express lane failed, or its connection dropped since (the peer may have
+        restarted; ZMQ reconnects silently). Never blocks: False while another caller holds the socket."""
+        lane = self._lane
+        if self._closed or (lane is not None and lane.dead):
             return True
         if not self._io.acquire(blocking=False):
             return False

@@ -1,0 +1,283 @@
+"""The express lane: a session's per-request frames over one plain TCP connection (layer: transport; stdlib and kvxfer.errors only, never zmq or nixl).
+
+Why it exists: every ZMQ frame passes through ZMQ's I/O thread on both sides, so a round trip
+wakes four threads; on a quiet host each wake-up after idle costs tens to hundreds of
+microseconds (docs/benchmarks.md, "Claim round trip"). A claim, ``Done``, abort or heartbeat is
+one small frame each way: over a plain socket it wakes the caller and the server's thread only.
+
+The handshake stays on the ZMQ side channel. The server announces its express port in
+``PeerInfo.express_port``; the client then opens a TCP connection to it and *attaches* it to its
+ZMQ session by naming the session's routing id (16 random bytes the client chose, never sent
+anywhere else). From then on the session's requests travel on the lane, answered by the same
+sans-IO ``ServerSession``, so every check (keys, who may act, limits) is the same.
+
+Wire format, both directions: ``HEADER`` (payload length u32, request id u64, big-endian), then
+the payload. The first frame is the attach request (id 0, ``ATTACH`` + routing id); the server
+answers ``ATTACHED`` or closes the connection. Replies carry the request's id, so requests from
+several threads are in flight at once (as on the multiplexed ZMQ session).
+
+Threads: one lock for sending; replies are read by whichever waiting caller is the *leader*
+(no thread of the lane's own, so a reply wakes exactly the thread that waits for it or the one
+reading for everybody).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import select
+import socket
+import struct
+import threading
+import time
+
+from kvxfer.errors import ClosedError, KvxferError, PeerLostError, ProtocolError, TransferTimeoutError
+
+__all__ = ["ATTACH", "ATTACHED", "HEADER", "ExpressLane", "FrameReader", "frame"]
+
+HEADER = struct.Struct(">IQ")  # payload length, request id
+ATTACH = b"KVXA"
+ATTACHED = ATTACH + b"\x01"
+_RECV_BYTES = 1 << 16  # below malloc's mmap threshold: a larger recv buffer costs a map and unmap per call
+
+
+def frame(request_id: int, payload: bytes) -> bytes:
+    """One frame on the lane: header, then ``payload``."""
+    return HEADER.pack(len(payload), request_id) + payload
+
+
+class FrameReader:
+    """Splits a byte stream into ``(request id, payload)`` frames of at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._buf = bytearray()
+        self._max = max_bytes
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Append ``data``; return every frame now complete.
+
+        Raises:
+            ProtocolError: a header announces more than ``max_bytes`` (nothing more is parsed).
+        """
+        self._buf += data
+        frames = []
+        start = 0
+        while len(self._buf) - start >= HEADER.size:
+            size, request_id = HEADER.unpack_from(self._buf, start)
+            if size > self._max:
+                raise ProtocolError(f"express frame of {size} bytes: expected <= {self._max}")
+            end = start + HEADER.size + size
+            if end > len(self._buf):
+                break
+            frames.append((request_id, bytes(self._buf[start + HEADER.size:end])))
+            start = end
+        if start:
+            del self._buf[:start]
+        return frames
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+class ExpressLane:
+    """The client end of one express connection, attached to the session named ``identity``.
+
+    Args:
+        host, port: the server's express port (on the side channel's host).
+        identity: the ZMQ routing id of the session to attach to.
+        max_bytes: largest frame sent or accepted.
+        timeout: seconds for connecting and attaching.
+
+    Raises:
+        PeerLostError: nobody accepts at host:port, or the server refused the attach.
+        TransferTimeoutError: connected, but no answer to the attach within ``timeout``.
+    """
+
+    def __init__(self, host: str, port: int, identity: bytes, max_bytes: int, timeout: float) -> None:
+        self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._max = max_bytes
+        self._send_lock = threading.Lock()
+        self._state = threading.Condition()
+        self._ids = itertools.count(1)
+        self._waiting: set[int] = set()
+        self._replies: dict[int, bytes] = {}
+        self._failed: dict[int, KvxferError] = {}
+        self._leader = False
+        self._error: KvxferError | None = None
+        self._reader = FrameReader(max_bytes)
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise PeerLostError(f"express lane {self.endpoint}: cannot connect: {exc}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.settimeout(None)  # every send and receive below is non-blocking (MSG_DONTWAIT)
+        self._poll = select.poll()
+        self._poll.register(self._sock.fileno(), select.POLLIN)
+        try:
+            deadline = time.monotonic() + timeout
+            with self._state:
+                self._waiting.add(0)
+            self._send_all(frame(0, ATTACH + identity), deadline)
+            answer = self._await(0, timeout, deadline)
+            if answer != ATTACHED:
+                raise PeerLostError(f"express lane {self.endpoint}: the server did not attach the session")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def dead(self) -> bool:
+        """Whether the connection failed or was closed (every later request raises)."""
+        return self._error is not None
+
+    def send(self, payload: bytes, timeout: float) -> "LanePending":
+        """Send one request now; ``reply()`` on the result waits for its answer.
+
+        Raises:
+            ProtocolError: ``payload`` is larger than ``max_bytes``.
+            PeerLostError: the connection failed (now or before).
+            TransferTimeoutError: the server did not take the bytes within ``timeout``.
+        """
+        if len(payload) > self._max:
+            raise ProtocolError(f"frame too large: expected <= {self._max} bytes; got {len(payload)}")
+        deadline = time.monotonic() + timeout
+        with self._state:
+            if self._error is not None:
+                raise _again(self._error)
+            request_id = next(self._ids)
+            self._waiting.add(request_id)
+        try:
+            self._send_all(frame(request_id, payload), deadline)
+        except KvxferError:
+            with self._state:
+                self._waiting.discard(request_id)
+                self._failed.pop(request_id, None)
+            raise
+        return LanePending(self, request_id, timeout, deadline)
+
+    def _send_all(self, data: bytes, deadline: float) -> None:
+        if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            raise TransferTimeoutError(f"express lane {self.endpoint}: another send held the lane")
+        try:
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[self._sock.send(view, socket.MSG_DONTWAIT):]
+                    continue
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    self._fail(PeerLostError(f"express lane {self.endpoint}: cannot send: {exc}"))
+                    raise _again(self._error) from None
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self._sock], [], left)[1]:
+                    # a partly sent frame leaves the stream unusable: the lane ends here
+                    self._fail(PeerLostError(f"express lane {self.endpoint}: the peer stopped reading"))
+                    raise TransferTimeoutError(f"express lane {self.endpoint}: the peer took no bytes "
+                                               "before the request's deadline") from None
+        finally:
+            self._send_lock.release()
+
+    def _await(self, request_id: int, timeout: float, deadline: float) -> bytes:
+        while True:
+            with self._state:
+                if request_id in self._replies:
+                    return self._replies.pop(request_id)
+                if request_id in self._failed:
+                    raise self._failed.pop(request_id)
+                if self._error is not None:
+                    raise _again(self._error)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._waiting.discard(request_id)
+                    break
+                if self._leader:
+                    self._state.wait(remaining)
+                    continue
+                self._leader = True
+            try:
+                self._pump(remaining)
+            finally:
+                with self._state:
+                    self._leader = False
+                    self._state.notify_all()
+        raise TransferTimeoutError(f"express lane {self.endpoint}: no reply within {timeout} s")
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for bytes; file every complete reply under its id."""
+        if self._error is not None or not self._poll.poll(max(0, math.ceil(timeout * 1000))):
+            return
+        try:
+            data = self._sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(PeerLostError(f"express lane {self.endpoint}: connection failed: {exc}"))
+            return
+        if not data:
+            self._fail(PeerLostError(f"express lane {self.endpoint}: the peer closed the connection"))
+            return
+        try:
+            frames = self._reader.feed(data)
+        except ProtocolError as exc:
+            self._fail(PeerLostError(f"express lane {self.endpoint}: {exc}"))
+            return
+        with self._state:
+            for request_id, payload in frames:
+                if request_id in self._waiting:  # else: a request given up; its late reply is dropped
+                    self._waiting.discard(request_id)
+                    self._replies[request_id] = payload
+            self._state.notify_all()
+
+    def _fail(self, error: KvxferError) -> None:
+        """End the lane: every request in flight and every later one raises ``error``."""
+        with self._state:
+            if self._error is None:
+                self._error = error
+            for request_id in self._waiting:
+                self._failed[request_id] = _again(self._error)
+            self._waiting.clear()
+            self._state.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a leader polling the socket
+        except OSError:
+            pass
+
+    def _cancel(self, request_id: int) -> None:
+        with self._state:
+            self._waiting.discard(request_id)
+            self._replies.pop(request_id, None)
+            self._failed.pop(request_id, None)
+
+    def close(self, error: KvxferError | None = None) -> None:
+        """Fail requests in flight (``error``, default ClosedError) and close the socket. Idempotent."""
+        self._fail(error or ClosedError(f"express lane {self.endpoint} was closed"))
+        with self._send_lock:
+            self._sock.close()
+
+
+class LanePending:
+    """A request ``ExpressLane.send`` sent: ``reply()`` once, or ``cancel()``."""
+
+    def __init__(self, lane: ExpressLane, request_id: int, timeout: float, deadline: float) -> None:
+        self._lane, self._id, self._timeout, self._deadline = lane, request_id, timeout, deadline
+        self._open = True
+
+    def reply(self) -> bytes:
+        """The reply frame (raises PeerLostError, TransferTimeoutError, ClosedError); once only."""
+        if not self._open:
+            raise ProtocolError("this request's reply was already taken or cancelled")
+        self._open = False
+        return self._lane._await(self._id, self._timeout, self._deadline)
+
+    def cancel(self) -> None:
+        """Give the reply up; it can never answer another request."""
+        if self._open:
+            self._open = False
+            self._lane._cancel(self._id)
+
+
+def _again(error: KvxferError) -> KvxferError:
+    """A fresh exception like ``error`` (one instance raised in several threads mixes tracebacks)."""
+    return type(error)(str(error))
