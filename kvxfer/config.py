@@ -4,16 +4,51 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "TRANSFER_PATHS"]
+__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "TRANSFER_PATHS", "parse_flag", "parse_seconds"]
 
 #: Ways ``Agent.read`` may move a request (see ``AgentConfig.transfer_path``).
 TRANSFER_PATHS = ("auto", "ipc", "staged", "direct")
 
 #: Hard cap a producer holds an unclaimed request's blocks (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default).
 DEFAULT_LEASE_TIMEOUT = 480.0
+
+
+def parse_flag(value: Any, name: str) -> bool:
+    """A boolean as configs carry it: a JSON boolean, 0/1, or a string ("True", "off", "1", "").
+
+    Raises:
+        ConfigError: anything else (names ``name`` and the value).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{name} must be a boolean; got {value!r}")
+
+
+def parse_seconds(raw: Any, name: str) -> float:
+    """A positive number of seconds from a config value (number or numeric string).
+
+    Raises:
+        ConfigError: not a number, or not positive (names ``name`` and the value).
+    """
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
+    if not value > 0:
+        raise ConfigError(f"{name} must be positive; got {raw!r}")
+    return value
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off", "")
 
 
 def _env_float(name: str) -> float | None:

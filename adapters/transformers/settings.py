@@ -17,32 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvxfer import AgentConfig, ConfigError
+from kvxfer.config import parse_flag, parse_seconds
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("fail", "recompute")
 ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
 _KNOWN = {"kv_connector", "kv_role", "kv_load_failure_policy", "enable_permute_local_kv", "kv_buffer_device",
           "kv_connector_extra_config", "kv_connector_module_path", "engine_id", "kv_rank", "kv_parallel_size"}
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off", "")
-
-
-def _flag(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ConfigError(f"{name} must be a boolean; got {value!r}")
-
-
-def _seconds(raw: Any, name: str) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive; got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -119,13 +100,13 @@ class ServeSettings:
             enabled=True,
             role=cfg.get("kv_role") or "kv_both",
             failure_policy=cfg.get("kv_load_failure_policy") or "fail",
-            allow_conversion=_flag(cfg.get("enable_permute_local_kv", True), "enable_permute_local_kv"),
+            allow_conversion=parse_flag(cfg.get("enable_permute_local_kv", True), "enable_permute_local_kv"),
             backends=None if backends is None else tuple(backends),
-            lease=_seconds(lease, ABORT_TIMEOUT_ENV) if lease else None,
+            lease=parse_seconds(lease, ABORT_TIMEOUT_ENV) if lease else None,
             transfer_timeout=None if extra.get("transfer_timeout") is None
-            else _seconds(extra["transfer_timeout"], "transfer_timeout"),
+            else parse_seconds(extra["transfer_timeout"], "transfer_timeout"),
             handshake_timeout=None if extra.get("handshake_timeout") is None
-            else _seconds(extra["handshake_timeout"], "handshake_timeout"),
+            else parse_seconds(extra["handshake_timeout"], "handshake_timeout"),
         )
 
     def agent_config(self) -> AgentConfig:

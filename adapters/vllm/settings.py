@@ -7,33 +7,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvxfer import AgentConfig, ConfigError
+from kvxfer.config import parse_flag, parse_seconds
 
 #: Seconds a prefill instance keeps blocks nobody claimed (the seed guide's variable; vLLM 0.32 dropped it from vllm.envs).
 ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("fail", "recompute")
-
-
-def _flag(value: Any, name: str) -> bool:
-    """vLLM configs carry booleans as JSON booleans or as strings ("True", "false", "1")."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off", ""):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    raise ConfigError(f"{name} must be a boolean; got {value!r}")
-
-
-def _seconds(raw: Any, name: str) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive; got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -93,19 +73,19 @@ class Settings:
             backends = [b.strip() for b in backends.split(",") if b.strip()]
         lease = None
         if env.get(ABORT_TIMEOUT_ENV):
-            lease = _seconds(env[ABORT_TIMEOUT_ENV], ABORT_TIMEOUT_ENV)
+            lease = parse_seconds(env[ABORT_TIMEOUT_ENV], ABORT_TIMEOUT_ENV)
         timeout = extra.get("transfer_timeout")
         handshake = extra.get("handshake_timeout")
         return cls(
             role=ktc.kv_role or "kv_both",
             failure_policy=getattr(ktc, "kv_load_failure_policy", "fail") or "fail",
             backends=None if backends is None else tuple(backends),
-            allow_conversion=_flag(getattr(ktc, "enable_permute_local_kv", False), "enable_permute_local_kv"),
-            cross_layers=_flag(extra.get("enable_cross_layers_blocks", False), "enable_cross_layers_blocks"),
+            allow_conversion=parse_flag(getattr(ktc, "enable_permute_local_kv", False), "enable_permute_local_kv"),
+            cross_layers=parse_flag(extra.get("enable_cross_layers_blocks", False), "enable_cross_layers_blocks"),
             buffer_device=str(getattr(ktc, "kv_buffer_device", "cpu") or "cpu"),
             lease=lease,
-            transfer_timeout=None if timeout is None else _seconds(timeout, "transfer_timeout"),
-            handshake_timeout=None if handshake is None else _seconds(handshake, "handshake_timeout"),
+            transfer_timeout=None if timeout is None else parse_seconds(timeout, "transfer_timeout"),
+            handshake_timeout=None if handshake is None else parse_seconds(handshake, "handshake_timeout"),
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
         )
 

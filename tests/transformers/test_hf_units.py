@@ -14,15 +14,20 @@ from kvxfer_transformers.transfer import read_extent
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=8)
 
 
-def test_answer_and_parse_match_the_vllm_adapter():
+def test_both_adapters_answer_in_vllms_field_names_and_read_them_back():
     from kvxfer_vllm import params as vllm_params
 
     args = dict(request_id="r1", block_ids=[4, 5], engine_id="e", host="10.0.0.1", port=5600, tp_size=1,
                 num_tokens=40)
-    assert producer_answer(**args) == vllm_params.producer_answer(**args)
-    mine, theirs = RemotePrefill.parse(producer_answer(**args)), vllm_params.RemotePrefill.parse(producer_answer(**args))
-    assert (mine.request_id, mine.host, mine.port, mine.block_ids, mine.num_tokens) == \
-        (theirs.request_id, theirs.host, theirs.port, theirs.block_ids, theirs.num_tokens)
+    # the fields vLLM's proxy forwards untouched (NixlConnector's names; transfer_mode is ours)
+    wire = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[4, 5]],
+            "remote_engine_id": "e", "remote_request_id": "r1", "remote_host": "10.0.0.1",
+            "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 40, "transfer_mode": "kvxfer-pull"}
+    assert producer_answer(**args) == wire == vllm_params.producer_answer(**args)
+    got = vllm_params.RemotePrefill.parse(wire)
+    assert (got.request_id, got.host, got.port, got.block_ids, got.num_tokens, got.engine_id) == \
+        ("r1", "10.0.0.1", 5600, (4, 5), 40, "e")
+    assert RemotePrefill.parse({**wire, "remote_block_ids": [4, 5]}).block_ids == (4, 5)  # flat, as older peers
 
 
 @pytest.mark.parametrize("change, words", [

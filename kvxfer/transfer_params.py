@@ -1,0 +1,110 @@
+"""kv_transfer_params in vLLM's field names, for every engine adapter (layer: engine-facing helper; standard library only).
+
+The prefill side answers with ``producer_answer``; the decode side reads a peer's answer with
+``RemotePrefill.parse``. The fields are exactly those vLLM's KvxferConnector writes and reads,
+so a ``kvxfer-hf`` server and a vLLM server can prefill for each other behind the unchanged
+``kvxfer proxy``; a new engine's adapter uses the same two functions. Values come from clients: checked with exceptions, never ``assert``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+#: Keys a decode instance needs to pull a request's blocks.
+REQUIRED = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port")
+
+#: What vLLM's KvxferConnector writes in ``transfer_mode`` (the decoder pulls).
+TRANSFER_MODE = "kvxfer-pull"
+
+
+class BadParams(ValueError):
+    """kv_transfer_params that cannot be used (names the field and what was wrong)."""
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """This instance prefills; a decode instance will pull the blocks."""
+    return bool(params) and bool(params.get("do_remote_decode"))
+
+
+def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    """This instance decodes a prompt whose KV was computed elsewhere."""
+    return bool(params) and bool(params.get("do_remote_prefill"))
+
+
+def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise BadParams(f"{name} must be an integer {bound}; got {value!r}")
+    return value
+
+
+def _block_ids(raw: Any) -> tuple[int, ...]:
+    """Flat block ids from vLLM's one-list-per-KV-cache-group form (``[[1, 2]]``) or a flat list."""
+    if not isinstance(raw, (list, tuple)):
+        raise BadParams(f"remote_block_ids must be a list; got {type(raw).__name__}")
+    if raw and all(isinstance(g, (list, tuple)) for g in raw):
+        if len(raw) != 1:
+            raise BadParams(f"remote_block_ids has {len(raw)} KV-cache groups; only 1 is supported")
+        raw = raw[0]
+    return tuple(_int(b, "remote_block_ids[i]", 0) for b in raw)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a prefilled prompt's blocks are: the producer's request id, side channel and block ids.
+
+    ``num_tokens`` is ``remote_num_tokens``: the prompt tokens whose KV the producer computed
+    (None: the whole prompt).
+    """
+
+    request_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    num_tokens: int | None = None
+    engine_id: str | None = None
+    tp_size: int = 1
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> "RemotePrefill":
+        """Raises BadParams when a required field is missing or malformed."""
+        if not isinstance(params, Mapping):
+            raise BadParams(f"kv_transfer_params must be an object; got {type(params).__name__}")
+        missing = [k for k in REQUIRED if params.get(k) in (None, "")]
+        if missing:
+            raise BadParams(f"kv_transfer_params lack {missing}")
+        request_id, host = params["remote_request_id"], params["remote_host"]
+        if not isinstance(request_id, str):
+            raise BadParams(f"remote_request_id must be a string; got {request_id!r}")
+        if not isinstance(host, str):
+            raise BadParams(f"remote_host must be a string; got {host!r}")
+        port = _int(params["remote_port"], "remote_port", 1, 65535)
+        num_tokens = params.get("remote_num_tokens")
+        if num_tokens is not None:
+            num_tokens = _int(num_tokens, "remote_num_tokens", 0)
+        tp_size = _int(params.get("tp_size", 1), "tp_size", 1)
+        engine_id = params.get("remote_engine_id")
+        return cls(request_id, host, port, _block_ids(params["remote_block_ids"]), num_tokens,
+                   engine_id if isinstance(engine_id, str) else None, tp_size)
+
+    def tokens_available(self, prompt_len: int) -> int:
+        """Prompt tokens whose KV the producer holds (all of the prompt unless it said fewer)."""
+        return prompt_len if self.num_tokens is None else min(self.num_tokens, prompt_len)
+
+
+def producer_answer(*, request_id: str, block_ids: Sequence[int], engine_id: str, host: str,
+                    port: int, tp_size: int, num_tokens: int) -> dict[str, Any]:
+    """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(block_ids)],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": tp_size,
+        "remote_num_tokens": num_tokens,
+        "transfer_mode": TRANSFER_MODE,
+    }
