@@ -31,6 +31,7 @@ from kvxfer.types import Region
 __all__ = ["PeerLink", "PeerDirectory", "PendingAnswer"]
 
 T = TypeVar("T")
+EXPRESS_ATTACH_TIMEOUT = 1.0  # seconds to open and attach an express lane before staying on ZMQ
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -251,7 +252,9 @@ class PeerDirectory:
         if not (self._express and info.express_port and attach is not None):
             return
         try:
-            attach(info.express_port, timeout)
+            # A firewall that drops the lane's packets must not stall the first read for a whole
+            # handshake timeout: the lane is an optimisation, the side channel works without it.
+            attach(info.express_port, min(timeout, EXPRESS_ATTACH_TIMEOUT))
         except KvxferError as exc:
             log.warning("express lane to %s (%s:%d) not opened: %s; its requests use the side channel",
                         info.engine_id, host, info.express_port, exc)

@@ -256,8 +256,9 @@ def _agent_config(options: dict, port: int, host: str = "127.0.0.1", path: str |
         extra = dict(pipeline_slot_bytes=options["slot_bytes"], pipeline_slots=options["slots"])
     # The producer's agent starts (NIXL agent, cache registration, IPC export) while the
     # consumer already knocks: give the first handshake more than the default 10 s.
-    return AgentConfig(side_channel_host=host, side_channel_port=port, handshake_timeout=60.0,
-                       transfer_path=path or options.get("transfer_path") or "auto", **extra)
+    # from_env: a run may set kvxfer's variables (e.g. KVXFER_EXPRESS_PORT=off, to compare)
+    return AgentConfig.from_env(side_channel_host=host, side_channel_port=port, handshake_timeout=60.0,
+                                transfer_path=path or options.get("transfer_path") or "auto", **extra)
 
 
 def _bench_agent(w, options: dict, port: int, listen: bool):
