@@ -301,6 +301,19 @@ class LeaseTable:
     def _look_at(self, request_id: str, when: float) -> None:
         """Have ``expire`` look at ``request_id`` once ``when`` has come (caller holds the lock)."""
         heapq.heappush(self._due, (when, next(self._seq), request_id))
+        if len(self._due) > 2 * len(self._holds) + 1024:  # else every claim, and every freed hold, stays till due
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep only the earliest due entry of each hold still kept: that look decides from the
+        hold as it is then and files the next one, so the heap stays O(holds) (caller holds the lock)."""
+        first: dict[str, tuple[float, int, str]] = {}
+        for entry in self._due:
+            rid = entry[2]
+            if rid in self._holds and (rid not in first or entry < first[rid]):
+                first[rid] = entry
+        self._due = list(first.values())
+        heapq.heapify(self._due)
 
 
 def _next_change(hold: Hold, now: float) -> float:

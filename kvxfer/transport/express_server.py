@@ -5,8 +5,9 @@ server's one thread: the server polls the sockets ``ExpressPort`` registers and 
 ready one to ``handle``. Nothing here decides what a frame means: an attached connection's
 frames go to ``answer(identity, payload)``, which runs the session's sans-IO ``ServerSession``.
 
-Bounds, so a hostile client costs little: at most ``max_connections`` connections (more are
-closed at once), a connection that has not attached within ``attach_timeout`` seconds is
+Bounds, so a hostile client costs little: at most ``max_connections`` connections (and at most a
+quarter of the process's file-descriptor limit; more are closed at once, and a failed ``accept``
+pauses listening for 0.1 s rather than spinning), a connection that has not attached within ``attach_timeout`` seconds is
 closed, a frame over ``max_bytes`` closes its connection, and a client that stops reading its
 replies is closed once ``4 * max_bytes`` of them wait. A connection whose session is gone
 (evicted, its ZMQ connection closed) is closed on its next frame, so its client handshakes anew.
@@ -14,6 +15,7 @@ replies is closed once ``4 * max_bytes`` of them wait. A connection whose sessio
 
 from __future__ import annotations
 
+import resource
 import socket
 import time
 from dataclasses import dataclass, field
@@ -71,7 +73,13 @@ class ExpressPort:
         self._listener = listener
         self._max_bytes = max_bytes
         self._answer, self._known, self._rejected = answer, known, rejected
+        # never so many that the process runs out of file descriptors (the side channel, NIXL
+        # and the engine need theirs too)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:
+            max_connections = min(max_connections, max(16, soft // 4))
         self._max_connections, self._attach_timeout = max_connections, attach_timeout
+        self._paused_until = 0.0  # accept() failed (e.g. no descriptor left): listen again then
         self._conns: dict[int, _Conn] = {}
         self._unattached: dict[int, _Conn] = {}
 
@@ -96,7 +104,11 @@ class ExpressPort:
             self._read(fd, conn, poller)
 
     def sweep(self, poller) -> None:
-        """Close connections that did not attach within ``attach_timeout``."""
+        """Close connections that did not attach within ``attach_timeout``; listen again after a
+        pause that a failed ``accept`` started."""
+        if self._paused_until and time.monotonic() >= self._paused_until:
+            self._paused_until = 0.0
+            poller.register(self._listener.fileno(), POLLIN)
         if not self._unattached:
             return
         limit = time.monotonic() - self._attach_timeout
@@ -114,8 +126,10 @@ class ExpressPort:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: try again on the next wake-up
-                self._rejected("express-accept", f"accept failed: {exc}")
+            except OSError as exc:  # e.g. out of file descriptors: stop listening for 0.1 s, or
+                self._rejected("express-accept", f"accept failed: {exc}")  # the poll would spin
+                poller.unregister(self._listener.fileno())
+                self._paused_until = time.monotonic() + 0.1
                 return
             if len(self._conns) >= self._max_connections:
                 self._rejected("express-full", f"closed an express connection: {self._max_connections} open")
