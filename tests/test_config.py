@@ -45,3 +45,29 @@ def test_metrics_port_env_junk_names_the_variable(monkeypatch, raw):
 def test_metrics_port_field_is_checked(bad):
     with pytest.raises(ConfigError, match="metrics_port must be an integer in \\[0, 65535\\] or None"):
         AgentConfig(metrics_port=bad)
+
+
+@pytest.mark.parametrize("raw,want", [("7600", 7600), (" 0 ", 0), ("off", None), ("OFF", None), ("none", None)])
+def test_express_port_from_env(monkeypatch, raw, want):
+    monkeypatch.setenv("KVXFER_EXPRESS_PORT", raw)
+    assert AgentConfig.from_env().express_port == want
+
+
+def test_express_port_defaults_to_a_free_port_and_overrides_win(monkeypatch):
+    monkeypatch.delenv("KVXFER_EXPRESS_PORT", raising=False)
+    assert AgentConfig().express_port == 0 and AgentConfig.from_env().express_port == 0
+    monkeypatch.setenv("KVXFER_EXPRESS_PORT", "off")
+    assert AgentConfig.from_env(express_port=7600).express_port == 7600
+
+
+@pytest.mark.parametrize("raw", ["tcp", "-1", "65536", "76.5"])
+def test_express_port_env_junk_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("KVXFER_EXPRESS_PORT", raw)
+    with pytest.raises(ConfigError, match=f"KVXFER_EXPRESS_PORT must be a port number in \\[0, 65535\\] or 'off'; got '{raw}'"):
+        AgentConfig.from_env()
+
+
+@pytest.mark.parametrize("bad", [-1, 65536, False, 7600.0, "7600"])
+def test_express_port_field_is_checked(bad):
+    with pytest.raises(ConfigError, match="express_port must be an integer in \\[0, 65535\\] or None"):
+        AgentConfig(express_port=bad)
