@@ -59,3 +59,50 @@ def test_read_makes_as_many_calls_for_4096_blocks_as_for_64(harness):
     least_calls(64, 1)  # warms the link and the plan's per-peer tables
     small, big = least_calls(64), least_calls(4096)
     assert big <= small * 1.1 + 20, f"{small} calls for 64 blocks, {big} for 4096: per-block Python work"
+
+
+def _lines(fn) -> int:
+    """Python lines executed by ``fn`` (a loop in Python over blocks or holds shows here even
+    when it calls nothing)."""
+    n = 0
+
+    def trace(frame, event, arg):
+        nonlocal n
+        if event == "line":
+            n += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return n
+
+
+def test_the_producers_claim_and_expire_run_as_many_lines_for_any_size():
+    """The producer's side of a request: a claim of 4,096 held blocks runs as many Python lines as
+    one of 64 (the ids are checked in C), and ``expire()`` with 5,000 idle holds as many as with
+    10 (it looks only at holds that are due)."""
+    from kvxfer.clock import ManualClock
+    from kvxfer.engine.leases import LeaseTable
+
+    def claim_calls(n: int) -> int:
+        table = LeaseTable(480)
+        ids = np.random.default_rng(n).permutation(8192)[:n]
+        table.hold("r", ids, 8192)
+        wanted = ids.tolist()  # a decoded Claim: the held ids in the consumer's order
+        return _lines(lambda: table.claim("r", "consumer", wanted, 1, 5.0))
+
+    def expire_calls(holds: int) -> int:
+        clock = ManualClock()
+        table = LeaseTable(480, clock=clock)
+        for i in range(holds):
+            table.hold(f"r{i}", [i % 1024], 1024)
+        clock.advance(1.0)  # none is due
+        return _lines(table.expire)
+
+    small, large = claim_calls(64), claim_calls(4096)
+    assert large <= small + 2, (small, large)
+    few, many = expire_calls(10), expire_calls(5000)
+    assert many <= few + 2, (few, many)
