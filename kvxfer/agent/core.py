@@ -407,7 +407,8 @@ class Agent:
             ending_requests=holds.ending,
             in_flight=engine.in_flight if engine else 0, draining=engine.draining if engine else 0,
             quarantined_blocks=engine.quarantined_blocks if engine else 0,
-            sessions=int(side.get("sessions", 0)), rejected_frames=dict(side.get("rejected", {})))
+            sessions=int(side.get("sessions", 0)), rejected_frames=dict(side.get("rejected", {})),
+            express_lanes=int(side.get("express", 0)))
 
     # ---- lifecycle -----------------------------------------------------------------
     def close(self) -> None:

@@ -44,6 +44,8 @@ _GAUGES = {
     "quarantined_blocks": ("kvxfer_agent_quarantined_blocks",
                            "Destination blocks of failed reads not confirmed ended (do not reuse)."),
     "sessions": ("kvxfer_agent_sessions", "Side-channel sessions (handshaken consumers) kept now."),
+    "express_lanes": ("kvxfer_agent_express_lanes",
+                      "Express-lane connections open now (sessions whose requests skip ZMQ)."),
 }
 
 

@@ -41,7 +41,8 @@ class AgentStats:
     a window to close). Consumer: ``in_flight`` (reads and writes not ended, draining included),
     ``draining`` (failed, waiting for their transfers to end), ``quarantined_blocks`` (destination
     blocks of failed reads not confirmed ended: do not reuse them until ``finished().reclaimed``).
-    Side channel: ``sessions`` (handshaken consumers) and ``rejected_frames`` by reason.
+    Side channel: ``sessions`` (handshaken consumers), ``express_lanes`` (those of them whose
+    requests come on an express lane) and ``rejected_frames`` by reason.
     """
 
     held_requests: int = 0
@@ -53,6 +54,7 @@ class AgentStats:
     quarantined_blocks: int = 0
     sessions: int = 0
     rejected_frames: dict[str, int] = field(default_factory=dict)
+    express_lanes: int = 0
 
 
 class Reports:

@@ -109,6 +109,7 @@ def test_gauges_show_what_the_agent_holds_at_scrape_time(world):
     got = scrape_until(prod.metrics_address, lambda g: g.value("kvxfer_agent_held_requests") == 1)
     assert (got.value("kvxfer_agent_held_requests"), got.value("kvxfer_agent_held_blocks")) == (1, 2)  # y
     assert got.value("kvxfer_agent_sessions") == 1
+    assert got.value("kvxfer_agent_express_lanes") == 1 == prod.stats().express_lanes  # the consumer's lane
     prod.release("y")
     got = scrape(prod.metrics_address)
     assert (got.value("kvxfer_agent_held_requests"), got.value("kvxfer_agent_held_blocks")) == (0, 0)
