@@ -43,3 +43,36 @@ def test_express_off_announces_no_port_and_opens_none(harness):
     consumer, _ = harness.agent(spec(), listen=False)
     link = consumer.connect(*producer.address)
     assert link.info.express_port == 0 and not link.client.express
+
+
+def test_with_a_key_the_lane_carries_signed_requests_and_a_forged_one_changes_nothing(harness):
+    from kvxfer.protocol import Abort, Codec, Reject
+    from kvxfer.transport.express import ATTACH, ATTACHED, HEADER, FrameReader, frame
+
+    key = b"a-shared-key-of-32-bytes-length!"
+    producer, pcache = harness.agent(spec(), seed=1, auth_key=key)
+    consumer, cache = harness.agent(spec(), seed=2, listen=False, auth_key=key)
+    producer.hold("r", [1, 2])
+    producer.hold("kept", [3])
+    consumer.read(producer.address, [5, 6], [1, 2], "r").wait(5)
+    assert [t[:, [5, 6]].tobytes() for t in cache] == [t[:, [1, 2]].tobytes() for t in pcache]
+    link = consumer.connect(*producer.address)
+    assert link.client.express and producer.stats().express_lanes == 1
+    # Someone who learned the session's routing id attaches a second lane and sends an Abort
+    # signed with another key: the session refuses it and the hold stays.
+    forged = Codec(consumer._codec.compat, key=b"another-key-of-32-bytes-length!!").encode(Abort("kept", consumer.engine_id))
+    with socket.create_connection(("127.0.0.1", link.info.express_port), timeout=5) as s:
+        s.settimeout(5)
+        s.sendall(frame(0, ATTACH + link.client._identity))
+        reader = FrameReader(1 << 20)
+        got = []
+        while not got:
+            got = reader.feed(s.recv(1 << 16))
+        assert got[0][1] == ATTACHED
+        s.sendall(frame(9, forged))
+        got = []
+        while not got:
+            got = reader.feed(s.recv(1 << 16))
+    rid, reply = got[0]
+    assert rid == 9 and isinstance(Codec(consumer._codec.compat, key=key).decode(reply), Reject)
+    assert producer.holding("kept")
