@@ -4,12 +4,7 @@
 #   bash scripts/device_agent.sh [all|checks|bench]   (wheels in .whl/, see docs/benchmarks-gpu.md)
 #   checks: GPU tests, the example, read_phases.py, claim_latency.py; bench: `kvxfer bench` rows
 set -uo pipefail
-OUT=${OUT:-/tmp/kvxfer-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 date -u; nvidia-smi -L
 P=$(python3 -c "import torch; print(1 if torch.cuda.device_count() > 1 else 0)")
 WHAT=${1:-all}

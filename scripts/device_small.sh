@@ -4,12 +4,7 @@
 # read's time goes, and the GPU tests. Tables on stdout, JSON and plots under $OUT.
 #   bash scripts/device_small.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/kvxfer-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 date -u; nproc
 B="python3 -m kvxfer.bench.cli --preset llama-3-8b --device gpu --iters 5 --warmup 2 --rounds 3 --producer-gpu 0 --consumer-gpu 0 --scenario same --ids fragmented --tokens 512,2048,8192 --methods peer-copy,kvxfer-ipc,kvxfer-agent"
 echo "### express (default)"; timeout 200 $B --json "$OUT/small-express.json" --plot "$OUT/small-express.png" 2>"$OUT/small-express.err" | grep -E "^[0-9]+ |tokens"
