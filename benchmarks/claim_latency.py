@@ -100,7 +100,7 @@ def main() -> None:
             for link in group:
                 link.client.multiplexed = not serial and link.info.multiplexed
             try:
-                agent._claim_answers(rid, agent._claim_send(rid, ids, group))
+                agent._claims.answers(rid, agent._claims.send(rid, ids, group))
             finally:
                 for link in group:
                     link.client.multiplexed = link.info.multiplexed

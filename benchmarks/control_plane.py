@@ -77,7 +77,7 @@ def main() -> None:
             t0 = time.perf_counter()
             plan.for_request(dst, src)
             t1 = time.perf_counter()
-            agent._claim_answers(f"r{i}", agent._claim_send(f"r{i}", src, [link]))
+            agent._claims.answers(f"r{i}", agent._claims.send(f"r{i}", src, [link]))
             claims.append((time.perf_counter() - t1) * 1e6)
             plans.append((t1 - t0) * 1e6)
     stop.set()

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+import kvxfer.agent.claims as claims_mod
 import kvxfer.agent.core as core
 import kvxfer.engine.paths.reading as reading
 from kvxfer import Agent, AgentConfig, KVSpec
@@ -84,8 +85,8 @@ def main() -> None:
     cache = _cache(spec, args.device, 2)
     core.plan_read = _timed("plan_read (ids, path choice, tables)", core.plan_read)
     reading.ReadRoute.start = _timed("ReadRoute.start (kernel launch / parts)", reading.ReadRoute.start)
-    core.Agent._claim_send = _timed("claim sent", core.Agent._claim_send)
-    core.Agent._claim_answers = _timed("claim answers awaited (after start)", core.Agent._claim_answers)
+    claims_mod.Claims.send = _timed("claim sent", claims_mod.Claims.send)
+    claims_mod.Claims.answers = _timed("claim answers awaited (after start)", claims_mod.Claims.answers)
     calls, waits, claims, modes = [], [], [], set()
     prof = cProfile.Profile()
     cfg = AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=args.port + 1)

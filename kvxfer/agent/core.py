@@ -19,6 +19,7 @@ import numpy as np
 
 from kvxfer.engine.paths.kit import PathKit
 from kvxfer.engine.paths.packing import PackServer
+from kvxfer.agent.claims import Claims
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.engine.paths.reading import plan_read
@@ -40,8 +41,7 @@ from kvxfer.layout import CacheView, KVSpec, build_plan, notify_ranks, peer_rank
 from kvxfer.layout.request import check_block_ids
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
-    Abort, Claim, Codec, Grant, Heartbeat, Refuse, compat_hash, decode_notification,
-    encode_notification, make_peer_info, new_engine_id,
+    Codec, Heartbeat, compat_hash, decode_notification, encode_notification, make_peer_info, new_engine_id,
 )
 from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
@@ -98,9 +98,9 @@ class Agent:
                                     backend.remove_peer, self.config.handshake_timeout,
                                     getattr(backend, "connect", None), channel=self._transport.channel,
                                     express=self.config.express_port is not None)
-        self._claims: dict[str, list[PeerLink]] = {}
+        self._claims = Claims(self._peers, self.engine_id, self.config.handshake_timeout)
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
-        self._done = DoneSender(self.engine_id, self._ask_engine, notify=self._notify_done)
+        self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
         self._wake = threading.Event()
@@ -244,7 +244,7 @@ class Agent:
                 route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
                                   request_id, note, self.config.allow_conversion)
                 claim_started = time.perf_counter()
-                sent = self._claim_send(request_id, remote_ids, links + notify_only,
+                sent = self._claims.send(request_id, remote_ids, links + notify_only,
                                         window=self._time_left(deadline, request_id, cap=None))
                 try:
                     if route.mode == "ipc":
@@ -253,9 +253,9 @@ class Agent:
                         # the read fails and only this request's own destination blocks were written.
                         parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
                 except BaseException:
-                    self._claim_undo(request_id, sent)
+                    self._claims.undo(request_id, sent)
                     raise
-                self._claim_answers(request_id, sent)
+                self._claims.answers(request_id, sent)
                 claimed = time.perf_counter() - claim_started
                 break
             except KvxferError as exc:
@@ -285,7 +285,7 @@ class Agent:
                                          setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
         except KvxferError:
             _cancel_jobs(parts)
-            self._abort_claims(request_id)
+            self._claims.give_back(request_id)
             raise
         handle.add_done_callback(self._on_read_done)
         if self._metrics is not None:
@@ -348,7 +348,7 @@ class Agent:
         producer's state: returns what happened (``AbortOutcome``; the worst rank's outcome).
         """
         self._check_open()
-        links = self._claims.pop(request_id, None)  # before cancelling: the handle's callback drops it
+        links = self._claims.pop(request_id)  # before cancelling: the handle's callback drops it
         if self._engine is not None:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
         if links is None and remote is not None:
@@ -357,22 +357,7 @@ class Agent:
             except KvxferError as exc:
                 log.warning("abort of %r at %s:%s: %s", request_id, remote[0], remote[1], exc)
                 return AbortOutcome.UNREACHABLE
-        return AbortOutcome.combine([self._abort_at(link, request_id) for link in links or ()])
-
-    def _abort_at(self, link: PeerLink, request_id: str, same_engine: bool = False) -> AbortOutcome:
-        """Tell one producer rank to release ``request_id`` (``same_engine``: only the engine of
-        ``link``, e.g. undoing its own grant; a restarted one never granted it)."""
-        ask = lambda lk: lk.ask(Abort(request_id, self.engine_id), self.config.handshake_timeout)  # noqa: E731
-        try:
-            reply = self._peers.call(link.host, link.port, ask,
-                                     engine_id=link.engine_id if same_engine else None)
-        except KvxferError as exc:
-            log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
-            return AbortOutcome.UNREACHABLE
-        if isinstance(reply, Refuse):
-            log.warning("abort of %r refused by %s: %s", request_id, link.engine_id, reply.reason)
-            return AbortOutcome.REFUSED
-        return AbortOutcome.RELEASED if getattr(reply, "released", True) else AbortOutcome.NOT_HELD
+        return AbortOutcome.combine([self._claims.abort_at(link, request_id) for link in links or ()])
 
     def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> list[str]:
         """Heartbeat: extend the producer's leases of requests still wanted; returns those gone.
@@ -471,66 +456,13 @@ class Agent:
         ranks = notify_ranks(self.spec, tp)
         return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
 
-    def _claim_send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink],
-                    window: float = 0.0) -> list:
-        """Send the claim to every rank now (the round trips run together, and overlap whatever
-        the caller does next); returns ``(link, PendingAnswer or the error its send raised)``."""
-        claim = Claim(request_id, remote_ids.tolist(), self.engine_id, window)
-        sent: list = []
-        # Each pending answer holds its link: take links in one global order, so two reads
-        # claiming from the same ranks at once never wait on each other crosswise.
-        for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
-            try:
-                sent.append((link, link.send(claim, self.config.handshake_timeout)))
-            except KvxferError as exc:
-                sent.append((link, exc))
-        return sent
-
-    def _claim_answers(self, request_id: str, sent: list) -> None:
-        """Collect the answers of ``_claim_send``; if any rank refused or was lost, undo the
-        other grants and raise."""
-        links = [link for link, _ in sent]
-        replies = [_answer(pending) for _, pending in sent]
-        granted = [link for link, reply in zip(links, replies) if isinstance(reply, Grant)]
-        for link, reply in zip(links, replies):
-            if isinstance(reply, Grant):
-                continue
-            self._abort_links(request_id, granted)
-            if isinstance(reply, KvxferError):
-                raise reply
-            if isinstance(reply, Refuse):
-                raise LeaseExpiredError(f"producer {link.engine_id} refused {request_id!r}: {reply.reason}")
-            raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
-        self._claims[request_id] = granted
-
-    def _claim_undo(self, request_id: str, sent: list) -> None:
-        """Collect the answers of a claim this read no longer wants, and give back every grant."""
-        try:
-            self._claim_answers(request_id, sent)
-        except KvxferError:
-            return  # the other grants were given back already
-        self._abort_claims(request_id)
-
-    def _abort_claims(self, request_id: str) -> None:
-        self._abort_links(request_id, self._claims.pop(request_id, []))
-
-    def _abort_links(self, request_id: str, links: list[PeerLink]) -> None:
-        for link in links:
-            self._abort_at(link, request_id, same_engine=True)
-
-    def _ask_engine(self, link: PeerLink, message):
-        """``message`` to ``link``'s engine on its session (one fresh handshake if the session was
-        lost; a restarted peer, another engine, is not asked: PeerLostError)."""
-        return self._peers.call(link.host, link.port, lambda lk: lk.ask(message, self.config.handshake_timeout),
-                                engine_id=link.engine_id)
-
     def _notify_done(self, link: PeerLink, request_id: str) -> None:
         """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""
         note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         self._backend.notify(link.agent_name, note)
 
     def _on_read_done(self, handle: TransferHandle) -> None:
-        self._claims.pop(handle.request_id, None)
+        self._claims.pop(handle.request_id)
         self._reports.read_done(handle)
 
     def _on_release(self, request_id: str, why: str) -> None:
@@ -586,16 +518,6 @@ class Agent:
             else:
                 self._wake.wait(0.001 if len(self._leases) else 0.005)
             self._wake.clear()
-
-
-def _answer(pending):
-    """A ``PendingAnswer``'s reply, or the error it (or its send) raised."""
-    if isinstance(pending, KvxferError):
-        return pending
-    try:
-        return pending.answer()
-    except KvxferError as exc:
-        return exc
 
 
 class _Reversed:

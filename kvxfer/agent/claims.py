@@ -1,0 +1,124 @@
+"""A consumer's claims on producer ranks: sent together, collected, undone, aborted (layer: agent; talks to peers only through ``PeerDirectory``/``PeerLink``, never to the backend or a socket).
+
+A read claims its blocks on every producer rank it depends on before it may report success:
+``send`` puts every rank's claim on the wire at once (the round trips overlap each other and
+whatever the read does next), ``answers`` collects them and keeps the grants, and a refusal or a
+lost rank gives every other grant back. ``abort_at`` tells one rank to release a request; with
+``same_engine`` only the engine that granted it is told (a producer restarted since never did).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from kvxfer.agent.peers import PeerDirectory, PeerLink
+from kvxfer.errors import KvxferError, LeaseExpiredError
+from kvxfer.protocol import Abort, Claim, Grant, Refuse
+from kvxfer.types import AbortOutcome
+
+__all__ = ["Claims"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class Claims:
+    """The claims of one consumer agent (thread-safe).
+
+    Args:
+        peers: the agent's links.
+        engine_id: this consumer's engine id (named in every claim and abort).
+        timeout: seconds for one side-channel round trip (``AgentConfig.handshake_timeout``).
+    """
+
+    def __init__(self, peers: PeerDirectory, engine_id: str, timeout: float) -> None:
+        self._peers, self._engine_id, self._timeout = peers, engine_id, timeout
+        self._granted: dict[str, list[PeerLink]] = {}
+        self._lock = threading.Lock()
+
+    def send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink], window: float = 0.0) -> list:
+        """Send the claim to every rank now; returns ``(link, PendingAnswer or the error its send
+        raised)`` for ``answers``."""
+        claim = Claim(request_id, remote_ids.tolist(), self._engine_id, window)
+        sent: list = []
+        # Each pending answer holds its link: take links in one global order, so two reads
+        # claiming from the same ranks at once never wait on each other crosswise.
+        for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
+            try:
+                sent.append((link, link.send(claim, self._timeout)))
+            except KvxferError as exc:
+                sent.append((link, exc))
+        return sent
+
+    def answers(self, request_id: str, sent: list) -> None:
+        """Collect the answers of ``send`` and keep the grants; if any rank refused or was lost,
+        give the other grants back and raise (``LeaseExpiredError`` for a refusal, else the
+        rank's error, e.g. ``PeerLostError``)."""
+        links = [link for link, _ in sent]
+        replies = [_answer(pending) for _, pending in sent]
+        granted = [link for link, reply in zip(links, replies) if isinstance(reply, Grant)]
+        for link, reply in zip(links, replies):
+            if isinstance(reply, Grant):
+                continue
+            self.abort_links(request_id, granted)
+            if isinstance(reply, KvxferError):
+                raise reply
+            if isinstance(reply, Refuse):
+                raise LeaseExpiredError(f"producer {link.engine_id} refused {request_id!r}: {reply.reason}")
+            raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
+        with self._lock:
+            self._granted[request_id] = granted
+
+    def undo(self, request_id: str, sent: list) -> None:
+        """Collect the answers of a claim the read no longer wants, and give back every grant."""
+        try:
+            self.answers(request_id, sent)
+        except KvxferError:
+            return  # the other grants were given back already
+        self.give_back(request_id)
+
+    def pop(self, request_id: str) -> list[PeerLink] | None:
+        """Forget ``request_id``'s grants (its read ended); returns the ranks that granted it."""
+        with self._lock:
+            return self._granted.pop(request_id, None)
+
+    def give_back(self, request_id: str) -> None:
+        """Release ``request_id`` at every rank that granted it (the read will not happen)."""
+        self.abort_links(request_id, self.pop(request_id) or [])
+
+    def abort_links(self, request_id: str, links: list[PeerLink]) -> None:
+        for link in links:
+            self.abort_at(link, request_id, same_engine=True)
+
+    def abort_at(self, link: PeerLink, request_id: str, same_engine: bool = False) -> AbortOutcome:
+        """Tell one producer rank to release ``request_id``; never raises (the outcome says what
+        happened). ``same_engine``: only the engine of ``link``, e.g. undoing its own grant."""
+        ask = lambda lk: lk.ask(Abort(request_id, self._engine_id), self._timeout)  # noqa: E731
+        try:
+            reply = self._peers.call(link.host, link.port, ask,
+                                     engine_id=link.engine_id if same_engine else None)
+        except KvxferError as exc:
+            log.warning("abort of %r at %s: %s", request_id, link.engine_id, exc)
+            return AbortOutcome.UNREACHABLE
+        if isinstance(reply, Refuse):
+            log.warning("abort of %r refused by %s: %s", request_id, link.engine_id, reply.reason)
+            return AbortOutcome.REFUSED
+        return AbortOutcome.RELEASED if getattr(reply, "released", True) else AbortOutcome.NOT_HELD
+
+    def ask_engine(self, link: PeerLink, message):
+        """``message`` to ``link``'s engine on its session (one fresh handshake if the session was
+        lost; a restarted peer, another engine, is not asked: PeerLostError)."""
+        return self._peers.call(link.host, link.port, lambda lk: lk.ask(message, self._timeout),
+                                engine_id=link.engine_id)
+
+
+def _answer(pending):
+    """A ``PendingAnswer``'s reply, or the error it (or its send) raised."""
+    if isinstance(pending, KvxferError):
+        return pending
+    try:
+        return pending.answer()
+    except KvxferError as exc:
+        return exc
