@@ -238,10 +238,11 @@ class PeerDirectory:
         timings = {"hello": welcomed - started, "express": laned - welcomed, "metadata": loaded - laned,
                    "connect": time.perf_counter() - loaded}
         spec = session.peer_spec
-        log.info("handshake with %s:%d: engine %s, tp %d/%d, %s %s (hello %.1f ms, metadata load %.1f ms, "
-                 "connect %.1f ms)", host, port, info.engine_id, spec.tp_rank, spec.tp_size,
-                 spec.layout.value, spec.storage.value, timings["hello"] * 1e3, timings["metadata"] * 1e3,
-                 timings["connect"] * 1e3)
+        log.info("handshake with %s:%d: engine %s, tp %d/%d, %s %s (hello %.1f ms, express lane %s %.1f ms, "
+                 "metadata load %.1f ms, connect %.1f ms)", host, port, info.engine_id, spec.tp_rank, spec.tp_size,
+                 spec.layout.value, spec.storage.value, timings["hello"] * 1e3,
+                 "on" if getattr(client, "express", False) else "off", timings["express"] * 1e3,
+                 timings["metadata"] * 1e3, timings["connect"] * 1e3)
         return PeerLink(host, port, info, CacheView(spec, session.peer_geometry), agent_name, client, session,
                         timings=timings, generation=client.generation)
 
