@@ -219,10 +219,7 @@ class SideChannelServer:
             reply = self._answer(identity, session, frame)
         else:
             session = self._make_session()
-            before = session.rejected
-            reply = session.receive(frame)
-            if session.rejected != before:
-                self._rejected(session.last_reject[0], session.last_reject[1])
+            reply, _ = self._receive(session, frame)
             if session.state == "ready":
                 address, fd = _peer_of(frames[-1])
                 with self._lock:
@@ -235,14 +232,19 @@ class SideChannelServer:
         except zmq.ZMQError as exc:  # the client went away or its queue is full
             self._rejected("unsent", f"reply not sent: {exc}")
 
-    def _answer(self, identity: bytes, session: ServerSession, frame: bytes) -> bytes:
-        """A kept session's reply to one frame (from ZMQ or its express lane)."""
+    def _receive(self, session: ServerSession, frame: bytes) -> tuple[bytes, bool]:
+        """``session``'s reply to one frame, and whether it took the frame (a refusal is counted)."""
         before = session.rejected
         reply = session.receive(frame)
         if session.rejected != before:
             self._rejected(session.last_reject[0], session.last_reject[1])
+        return reply, session.rejected == before
+
+    def _answer(self, identity: bytes, session: ServerSession, frame: bytes) -> bytes:
+        """A kept session's reply to one frame (from ZMQ or its express lane)."""
+        reply, taken = self._receive(session, frame)
         with self._lock:
-            self._table.touch(identity, request=session.state == "ready" and session.rejected == before)
+            self._table.touch(identity, request=session.state == "ready" and taken)
         return reply
 
     def _answer_known(self, identity: bytes, frame: bytes) -> bytes | None:
