@@ -38,16 +38,19 @@ class Claims:
         self._granted: dict[str, list[PeerLink]] = {}
         self._lock = threading.Lock()
 
-    def send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink], window: float = 0.0) -> list:
+    def send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink], window: float = 0.0,
+             timeout: float | None = None) -> list:
         """Send the claim to every rank now; returns ``(link, PendingAnswer or the error its send
-        raised)`` for ``answers``."""
+        raised)`` for ``answers``. ``timeout`` bounds the wait for each answer (default: the
+        agent's round-trip timeout; a read passes what is left of its own timeout)."""
         claim = Claim(request_id, remote_ids.tolist(), self._engine_id, window)
+        wait = self._timeout if timeout is None else timeout
         sent: list = []
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
         for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
             try:
-                sent.append((link, link.send(claim, self._timeout)))
+                sent.append((link, link.send(claim, wait)))
             except KvxferError as exc:
                 sent.append((link, exc))
         return sent

@@ -244,14 +244,17 @@ class Agent:
                 route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
                                   request_id, note, self.config.allow_conversion)
                 claim_started = time.perf_counter()
+                # The answers are awaited no longer than the read's own timeout: a producer that
+                # stalls (SIGSTOP, a long pause) fails the read within it, typed.
                 sent = self._claims.send(request_id, remote_ids, links + notify_only,
-                                        window=self._time_left(deadline, request_id, cap=None))
+                                        window=self._time_left(deadline, request_id, cap=None),
+                                        timeout=self._time_left(deadline, request_id))
                 try:
                     if route.mode == "ipc":
                         # Launch while the claim travels, so its round trip overlaps the kernel. The
                         # kernel only reads the producer's (mapped) cache; if the claim is refused,
                         # the read fails and only this request's own destination blocks were written.
-                        parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
+                        parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
                 except BaseException:
                     self._claims.undo(request_id, sent)
                     raise
@@ -275,7 +278,7 @@ class Agent:
             on_success = lambda: [self._done.send(link, request_id) for link in done_links]  # noqa: E731
         try:
             if not parts:
-                parts = route.start(self._kit, view, timeout, self.config.handshake_timeout)
+                parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
             for link, part in zip(route.links, parts):
                 if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
                     part.on_done = partial(self._done.send, link, request_id)

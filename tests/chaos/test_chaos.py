@@ -107,6 +107,7 @@ def test_release_during_a_granted_read_never_frees_blocks_being_read(big_produce
         _check_no_late_bytes(agent, cache, dst)
     assert wait_until(lambda: idle(big_producer.ask(("stats",))), 10)
     assert outcomes.count("exact") >= 1, outcomes
+    assert released_mid_read >= 1, "no release landed while a read was moving bytes"
 
 
 # ---- 2. the producer stalls past its lease during a read -------------------------------------
@@ -129,6 +130,40 @@ def test_producer_stalled_past_its_lease_keeps_blocks_until_the_read_ends(big_pr
             np.testing.assert_array_equal(got, exp)
         assert wait_until(lambda: rid in big_producer.ask(("reused",)), 10)
         _check_no_late_bytes(agent, cache, dst)
+    assert wait_until(lambda: idle(big_producer.ask(("stats",))), 10), big_producer.ask(("stats",))
+
+
+# ---- 2b. the producer stalls before it answers the claim -------------------------------------
+def test_producer_stalled_at_claim_time_fails_the_read_within_its_timeout(big_producer, big_consumer):
+    """A frozen producer (SIGSTOP before the read) cannot hold the read past its own timeout:
+    the claim's answer is awaited only as long as the read has left, not the handshake timeout.
+    When the producer wakes, the late claim's window passes and the blocks come back."""
+    agent, cache = big_consumer
+    rng = np.random.default_rng(3)
+    srcs, dsts = _disjoint(rng, TRIALS, 8, BIG["num_blocks"]), _disjoint(rng, TRIALS, 8, BIG["num_blocks"])
+    for trial, (src, dst) in enumerate(zip(srcs, dsts)):
+        rid = f"frozen-{trial}"
+        big_producer.ask(("hold", rid, src.tolist(), None, True))
+        agent.connect(*big_producer.address)  # the link is ready: the claim is the first wait
+        fill(cache, dst)
+        os.kill(big_producer.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises((PeerLostError, TransferTimeoutError)):
+                agent.read(big_producer.address, dst, src, rid, timeout=2).wait(2)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(big_producer.pid, signal.SIGCONT)
+        assert elapsed <= 2 + 0.5, f"trial {trial}: the read failed after {elapsed:.2f} s"
+        assert wait_until(lambda: rid in big_producer.ask(("reused",)), 10), big_producer.ask(("freed",))
+        _check_no_late_bytes(agent, cache, dst)
+    src, dst = srcs[0], dsts[0]
+    big_producer.ask(("reset",))
+    big_producer.ask(("hold", "after-frozen", src.tolist(), None, False))
+    agent.read(big_producer.address, dst, src, "after-frozen", timeout=10).wait(15)
+    for got, exp in zip(blocks_of(cache, dst), big_producer.ask(("blocks", src.tolist()))):
+        np.testing.assert_array_equal(got, exp)
+    assert wait_until(lambda: idle(big_producer.ask(("stats",))), 10), big_producer.ask(("stats",))
 
 
 # ---- 3. abort: no byte lands after the read ended --------------------------------------------
@@ -175,14 +210,16 @@ def test_converting_read_larger_than_staging_is_chunked_and_exact(producers_hnd)
     cspec = KVSpec(**BIG)
     agent, cache = consumer(cspec, staging_bytes=1 << 20)  # 1 MiB; the request stages 16 MiB
     with agent:
-        src, dst = list(range(100, 164)), list(range(300, 364))
-        prod.ask(("hold", "big", src, None, False))
-        before = [t.copy() for t in cache]
-        stats = agent.read(prod.address, dst, src, "big", timeout=60).wait(65)
-        want = expected_read(cspec, before, dst, [(pspec, cache_for(pspec, SEED))], src)
-        np.testing.assert_array_equal(logical_kv(cspec, cache, dst), want)
-        assert stats.num_bytes >= 16 << 20
-        assert wait_until(lambda: idle(prod.ask(("stats",))), 10)
+        for trial in range(TRIALS):
+            src, dst = list(range(100 + trial, 164 + trial)), list(range(300 + 64 * (trial % 2), 364 + 64 * (trial % 2)))
+            prod.ask(("hold", f"big-{trial}", src, None, False))
+            before = [t.copy() for t in cache]
+            stats = agent.read(prod.address, dst, src, f"big-{trial}", timeout=60).wait(65)
+            want = expected_read(cspec, before, dst, [(pspec, cache_for(pspec, SEED))], src)
+            np.testing.assert_array_equal(logical_kv(cspec, cache, dst), want, err_msg=f"trial {trial}")
+            assert stats.num_bytes >= 16 << 20
+            assert wait_until(lambda: idle(prod.ask(("stats",))), 10)
+        assert wait_until(lambda: idle(_stats(agent)), 5), _stats(agent)
 
 
 @pytest.fixture
@@ -204,12 +241,15 @@ def test_write_nhd_tp1_to_tp2_is_exact():
         writer_spec = KVSpec(**small)
         agent, cache = consumer(writer_spec, seed=3)
         with agent:
-            src, dst = [1, 5, 9, 30], [2, 3, 17, 0]
-            agent.write(ranks[0].address, src, dst, "w", timeout=30).wait(35)
-            full = logical_kv(writer_spec, cache, src)  # [layers, kv, tokens, 8 heads, dim]
-            for r, peer in enumerate(ranks):
-                got = logical_kv(peer.spec, peer.ask(("blocks", dst)), range(len(dst)))
-                np.testing.assert_array_equal(got, full[:, :, :, 4 * r:4 * r + 4])
+            rng = np.random.default_rng(7)
+            for trial in range(TRIALS):
+                src, dst = rng.permutation(32)[:4].tolist(), rng.permutation(32)[:4].tolist()
+                agent.write(ranks[0].address, src, dst, f"w-{trial}", timeout=30).wait(35)
+                full = logical_kv(writer_spec, cache, src)  # [layers, kv, tokens, 8 heads, dim]
+                for r, peer in enumerate(ranks):
+                    got = logical_kv(peer.spec, peer.ask(("blocks", dst)), range(len(dst)))
+                    np.testing.assert_array_equal(got, full[:, :, :, 4 * r:4 * r + 4], err_msg=f"trial {trial}")
+            assert wait_until(lambda: idle(_stats(agent)), 5), _stats(agent)
     finally:
         for r in ranks:
             r.stop()
@@ -295,7 +335,8 @@ def test_soak_1000_requests_with_aborts_and_ungranted_reads(big_producer, big_co
     agent, cache = big_consumer
     rng = np.random.default_rng(9)
     n = 1000
-    plan = rng.choice(["read", "abort", "ungranted"], size=n, p=[0.9, 0.05, 0.05])
+    plan = np.array(["read"] * (n - 100) + ["abort"] * 50 + ["ungranted"] * 50)  # 5% and 5%
+    rng.shuffle(plan)
     src_all = rng.integers(0, BIG["num_blocks"], size=(n, 2))
     src_all[:, 1] = (src_all[:, 0] + 1 + rng.integers(0, 50, size=n)) % BIG["num_blocks"]
     holds = [(f"soak-{i}", src_all[i].tolist()) for i in range(n) if plan[i] != "ungranted"]
@@ -313,10 +354,13 @@ def test_soak_1000_requests_with_aborts_and_ungranted_reads(big_producer, big_co
                 agent.read(big_producer.address, dst, src, rid, timeout=10)
             counts["refused"] += 1
             continue
+        fill(cache, dst)
         handle = agent.read(big_producer.address, dst, src, rid, timeout=10)
         if plan[i] == "abort":
             agent.abort(rid)
         stats, error = _exact_or_typed(handle, 10)
+        if plan[i] == "abort":  # whatever the abort caught, nothing lands once the read ended
+            _check_no_late_bytes(agent, cache, dst, settle=0.1)
         if error is None:
             for got, t in zip(blocks_of(cache, dst), producer_cache):
                 np.testing.assert_array_equal(got, t[:, list(src)])
