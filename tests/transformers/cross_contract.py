@@ -84,8 +84,9 @@ class CrossContract:
             assert g == want, first_difference(g, want)
 
     def test_through_kvxfer_proxy(self, route):
-        prompts = [prompt_of(n, seed=90 + i) for i, n in enumerate((9, 40, 130, 257))]
+        # Short, block-boundary and long prompts, eight at once, as a user's client sends them.
+        prompts = [prompt_of(n, seed=90 + i) for i, n in enumerate((9, 16, 32, 33, 64, 65, 257, 600))]
         refs = [reference(route, x) for x in prompts]
-        got = run_concurrently(lambda x: route.proxy.complete(x, MAX_TOKENS).token_ids, prompts)
+        got = run_concurrently(lambda x: route.proxy.complete(x, MAX_TOKENS).token_ids, prompts, workers=8)
         for g, want in zip(got, refs):
             assert g == want, first_difference(g, want)
