@@ -7,8 +7,10 @@ in flight per thread before the stores. Gathering a request's fragmented blocks,
 and permuting HND<->NHD therefore cost one pass over the bytes at HBM speed, and the same kernel
 reads a peer GPU's cache through CUDA IPC for the same-host single pass.
 
-Contracts: the launch is asynchronous on the given CUDA stream; the address arrays it uploads
-stay alive in the returned ``Launch`` until the caller drops it after the stream has passed it.
+Contracts: the launch is asynchronous on the given CUDA stream, and so is the upload of the
+request's block ids (one copy from pinned memory on that stream, ordered before the kernel);
+the buffers it uses stay alive in the returned ``Launch`` until the caller drops it after the
+stream has passed it.
 Source and destination boxes must not overlap.
 """
 
@@ -145,7 +147,7 @@ class PairKernel:
             return module
 
     def _upload(self, arr: np.ndarray, dtype: Any) -> Any:
-        """Device copy of a small host array, cached by content (region bases, block ids)."""
+        """Device copy of a small host array that rarely changes (region bases), cached by content."""
         key = (arr.dtype.str, arr.tobytes())
         dev = self._uploads.get(key)
         if dev is None:
@@ -159,14 +161,38 @@ class PairKernel:
             self._uploads[key] = dev
         return dev
 
-    def _side(self, side: Side, keep: list) -> list:
-        """The kernel's 8 arguments for one ``KvxSide`` (arrays uploaded and kept alive in ``keep``)."""
+    def _ids(self, sides: tuple[Side, ...], stream: int, keep: list) -> list[int]:
+        """Both sides' block ids on the device through ONE asynchronous copy on ``stream``.
+
+        Ids change with every request, so they are not cached: they are written into a pinned
+        host buffer and copied on the launch's own stream, which orders the copy before the
+        kernel without blocking the host. Both buffers stay alive in ``keep`` (the ``Launch``)
+        until the caller drops it, after the stream has passed the kernel."""
+        arrays = [np.asarray(s.ids, dtype=np.int64).reshape(-1) for s in sides if s.bases is not None]
+        if not arrays:
+            return []
+        total = sum(a.size for a in arrays)
+        cp = self.cp
+        host = cp.cuda.alloc_pinned_memory(total * 8)
+        flat = np.frombuffer(host, dtype=np.int64, count=total)
+        dev = cp.cuda.alloc(total * 8)
+        ptrs, at = [], 0
+        for a in arrays:
+            flat[at:at + a.size] = a
+            ptrs.append(dev.ptr + at * 8)
+            at += a.size
+        cp.cuda.runtime.memcpyAsync(dev.ptr, host.ptr, total * 8, cp.cuda.runtime.memcpyHostToDevice, stream)
+        keep += [host, dev]
+        return ptrs
+
+    def _side(self, side: Side, ids: int, keep: list) -> list:
+        """The kernel's 8 arguments for one ``KvxSide`` (``ids``: the device address of its block ids)."""
         if side.bases is None:
             ptrs = (0, 0, side.base)
         else:
-            bases, ids = self._upload(side.bases, np.uint64), self._upload(side.ids, np.int64)
-            keep += [bases, ids]
-            ptrs = (bases.data.ptr, ids.data.ptr, 0)
+            bases = self._upload(side.bases, np.uint64)
+            keep.append(bases)
+            ptrs = (bases.data.ptr, ids, 0)
         return [np.uint64(x) for x in ptrs] + [np.int64(x) for x in
                                                 (side.stride, side.block_size, side.ts, side.hs, side.head)]
 
@@ -203,7 +229,11 @@ class PairKernel:
                     ext = self._streams[stream] = cp.cuda.ExternalStream(stream)
                 scope.enter_context(ext)
             keep: list = []
-            sides = self._side(copy.src_side, keep) + self._side(copy.dst_side, keep)
+            on = stream if stream is not None else cp.cuda.get_current_stream().ptr
+            ids = iter(self._ids((copy.src_side, copy.dst_side), on, keep))
+            sides: list = []
+            for side in (copy.src_side, copy.dst_side):
+                sides += self._side(side, next(ids) if side.bases is not None else 0, keep)
             fn((blocks,), (self.threads,),
                (np.int64(copy.p0), np.int64(copy.n), np.int64(copy.n_chunks), np.int32(copy.tokens),
                 np.int32(copy.heads), np.int32(vu), np.int64(copy.vector_bytes), np.int32(h_outer),
