@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from kvxfer.errors import KvxferError
@@ -59,11 +60,17 @@ class ProducerService:
                         del self._granted[engine]
 
     def make_session(self) -> ServerSession:
-        """A fresh server session for a new client identity (called by the transport)."""
-        box: list[ServerSession] = []
-        session = ServerSession(self._agent._codec, self._agent._peer_info(),
-                                on_request=lambda message: self.handle(message, box[0].peer))
-        box.append(session)
+        """A fresh server session for a new client identity (called by the transport).
+
+        Its request callback reaches the session through a weak reference: a strong one would
+        close a cycle (session -> callback -> session) that keeps a closed session and its peer's
+        ``PeerInfo`` (up to 512 KiB of backend metadata) alive until the cyclic collector runs.
+        """
+        def on_request(message):
+            return self.handle(message, ref().peer)  # only ever called by the live session itself
+
+        session = ServerSession(self._agent._codec, self._agent._peer_info(), on_request=on_request)
+        ref = weakref.ref(session)
         return session
 
     def handle(self, message, peer: PeerInfo | None):

@@ -253,8 +253,13 @@ class ServerSession:
     def refuse_busy(self, why: str) -> bytes:
         """A ``Reject('busy')`` frame: the transport keeps no session for this client now (its
         table is full of sessions it may not evict). Resets the session to ``awaiting_hello``."""
-        self.state, self.peer = "awaiting_hello", None
+        self.forget_peer()
         return self._reject("busy", why)
+
+    def forget_peer(self) -> None:
+        """Back to ``awaiting_hello``, dropping the peer's ``PeerInfo`` (up to 512 KiB of backend
+        metadata): the transport calls this when it stops keeping the session."""
+        self.state, self.peer, self.peer_spec, self.peer_geometry = "awaiting_hello", None, None, None
 
     def _on_hello(self, msg: Hello) -> bytes:
         try:

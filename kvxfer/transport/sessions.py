@@ -107,10 +107,12 @@ class SessionTable:
         return sum(self.remove(identity, disconnected=True) for identity in identities)
 
     def remove(self, identity: bytes, disconnected: bool = False) -> bool:
-        """Forget ``identity``'s session (its client went away). Returns whether one was kept."""
+        """Forget ``identity``'s session (its client went away or it was evicted), dropping its
+        peer's ``PeerInfo`` at once. Returns whether one was kept."""
         entry = self._entries.pop(identity, None)
         if entry is None:
             return False
+        entry.session.forget_peer()  # freed now even if something still holds the session
         peers = self._by_address[entry.address]
         del peers[identity]
         if not peers:

@@ -75,10 +75,11 @@ def test_router_takes_pipeline_messages_by_tag_and_leaves_the_rest():
     assert [decode_pipe_note(m, None) for _, m in a.notifications()] == [PipeNote(FREE, 7, 0, 5)]
 
 
-def test_pipeline_messages_travel_as_typed_authenticated_notes():
+def test_pipeline_messages_travel_as_typed_authenticated_notes(caplog):
     """On the wire a pipeline message is a ``PipeNote`` in the notification envelope, with the
     shared key's tag; a note with another key, or out of bounds, is dropped (never routed); a
-    bare record from a peer of the release before is still taken."""
+    bare record from a peer of the release before is taken only by an agent without a key: with
+    one it is refused (claimed, never routed), and the refusals are logged a bounded number of times."""
     world = FakeWorld()
     a, b = FakeBackend("a", world), FakeBackend("b", world)
     a.add_peer(b.metadata())
@@ -91,10 +92,20 @@ def test_pipeline_messages_travel_as_typed_authenticated_notes():
     assert decode_pipe_note(wire, key) == PipeNote(READY, 7, 3, 2)
     assert receiver.deliver("a", wire)
     assert receiver.deliver("a", encode_pipe_note(PipeNote(READY, 7, 4, 2), b"x" * 32))   # wrong key: dropped
-    assert receiver.deliver("a", PipeMessage(DATA, 7, 5, 1).encode())                     # an older peer's record
-    assert [PipeMessage.decode(m) for m in inbox.receive()] == [PipeMessage(READY, 7, 3, 2),
-                                                                 PipeMessage(DATA, 7, 5, 1)]
+    caplog.clear()
+    for piece in range(5, 10):
+        assert receiver.deliver("a", PipeMessage(DATA, 7, piece, 1).encode())            # unsigned: refused
+    assert [PipeMessage.decode(m) for m in inbox.receive()] == [PipeMessage(READY, 7, 3, 2)]
+    assert receiver.dropped == {"bad": 1, "unsigned": 5}
+    refusals = [r.getMessage() for r in caplog.records if "unsigned" in r.getMessage()]
+    assert len(refusals) == 1 and "(unsigned, 1 so far): a bare pipeline record" in refusals[0]
     assert not receiver.deliver("a", encode_notification("r", "e", key))                # request-done: not ours
+
+    keyless = PipeRouter(b)
+    old_inbox = keyless.open("a", 8)
+    assert keyless.deliver("a", PipeMessage(DATA, 8, 5, 1).encode())                      # an older peer's record
+    assert [PipeMessage.decode(m) for m in old_inbox.receive()] == [PipeMessage(DATA, 8, 5, 1)]
+    assert not keyless.dropped
 
 
 def test_router_refuses_a_slot_outside_the_window_and_a_tag_in_use():

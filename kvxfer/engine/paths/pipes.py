@@ -3,8 +3,9 @@
 The staged pipeline (``kvxfer.engine.paths.pipeline``) talks in 20-byte ``PipeMessage`` records. On
 the wire they are typed protocol messages (``kvxfer.protocol.PipeNote`` in the notification
 envelope, authenticated with the shared key); a peer of the release before sends bare records,
-which are still taken. They travel as backend notifications next to the request-done notifications of ordinary reads;
-the progress loop hands every notification to ``PipeRouter.deliver`` first, which claims
+which are taken only while no key is configured (unsigned, they would get past it). They travel
+as backend notifications next to the request-done notifications of ordinary reads; the progress
+loop hands every notification to ``PipeRouter.deliver`` first, which claims
 the pipeline ones (recognised by their magic prefix) and queues them on the ``PipeLink``
 of their (peer, tag), so they are never decoded as, or logged as bad, request-done notes.
 
@@ -84,13 +85,18 @@ class PipeLink:
 
 
 class PipeRouter:
-    """Routes pipeline notifications to open links by (peer, tag). Thread-safe."""
+    """Routes pipeline notifications to open links by (peer, tag). Thread-safe.
+
+    Attributes:
+        dropped: pipeline messages dropped, by reason: ``bad`` (envelope, key or bounds do not
+            check) and ``unsigned`` (a bare record while this agent has a key).
+    """
 
     def __init__(self, backend: Backend, key: bytes | None = None) -> None:
         self._backend, self._key = backend, key
         self._links: dict[tuple[str, int], PipeLink] = {}
         self._lock = threading.Lock()
-        self._bad = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
 
     def open(self, peer: str, tag: int, slot_offset: int = 0, slot_count: int = 1 << 20) -> PipeLink:
         """A link for a new transfer. Raises ProtocolError if (peer, tag) is already in use."""
@@ -114,20 +120,25 @@ class PipeRouter:
         """Take ``raw`` if it is a pipeline message (True); False leaves it to the caller.
 
         A typed ``PipeNote`` (this release) is checked (envelope, key, bounds) and handed to the
-        pipeline as its record; a bare record (a peer of the release before) is taken as it is."""
+        pipeline as its record; a bare record (a peer of the release before) is taken as it is
+        only while this agent has no key: it carries no tag, so with a key it is refused (it would
+        get past the key). What is dropped is counted in ``dropped`` and logged a bounded number
+        of times per reason."""
         try:
             if is_pipe_note(raw):
                 note = decode_pipe_note(raw, self._key)
                 msg = PipeMessage(note.kind, note.tag, note.piece, note.slot)
                 raw = msg.encode()
             elif is_pipe_message(raw):
+                if self._key is not None:
+                    self._drop("unsigned", peer, "a bare pipeline record carries no tag and this agent "
+                                                 "has a shared key (a peer of the release before, or forged)")
+                    return True
                 msg = PipeMessage.decode(raw)
             else:
                 return False
         except KvxferError as exc:
-            self._bad += 1
-            if self._bad in (1, 10, 100, 1000) or self._bad % 10000 == 0:  # never a log line per message
-                log.warning("dropping a bad pipeline message from %s (%d so far): %s", peer, self._bad, exc)
+            self._drop("bad", peer, str(exc))
             return True
         with self._lock:
             link = self._links.get((peer, msg.tag))
@@ -136,3 +147,12 @@ class PipeRouter:
             return True
         link.put(raw)
         return True
+
+    def _drop(self, reason: str, peer: str, detail: str) -> None:
+        """Count one dropped message of ``reason``; log the 1st, 10th, 100th, 1000th and every
+        10,000th of each reason (peer input must never write a log line per message)."""
+        with self._lock:
+            self.dropped[reason] += 1
+            count = self.dropped[reason]
+        if count in (1, 10, 100, 1000) or count % 10000 == 0:
+            log.warning("dropping a pipeline message from %s (%s, %d so far): %s", peer, reason, count, detail)
