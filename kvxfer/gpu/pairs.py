@@ -25,9 +25,8 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, ConfigError, LayoutError
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout
-from kvxfer.layout.plan import check_compatible
+from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.request import check_block_ids
-from kvxfer.layout.tp import head_range
 
 __all__ = ["PairCopy", "Side", "Overlap", "overlap", "direct_pairs", "pack_pairs", "unpack_pairs",
            "request_tokens"]
@@ -155,15 +154,11 @@ def overlap(src: KVSpec, dst: KVSpec) -> Overlap | None:
 
     Raises LayoutError when the two specs do not describe the same model cache.
     """
-    check_compatible(src, dst)  # the layout translator's own rule (model included)
-    if src.mla:
-        return Overlap(1, 0, 0)
-    s0, s1 = head_range(src.num_kv_heads, src.tp_size, src.tp_rank)
-    d0, d1 = head_range(dst.num_kv_heads, dst.tp_size, dst.tp_rank)
-    lo, hi = max(s0, d0), min(s1, d1)
-    if lo >= hi:
+    heads = head_overlap(src, dst)  # the layout translator's own rules (compatibility, model included)
+    if heads is None:
         return None
-    return Overlap(hi - lo, lo - s0, lo - d0)
+    start, stop = heads
+    return Overlap(stop - start, start - src.first_head, start - dst.first_head)
 
 
 def _strides(spec: KVSpec) -> tuple[int, int]:

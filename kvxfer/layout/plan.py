@@ -23,8 +23,9 @@ from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, merge_rows
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.layout.template import PieceTemplate, UnpackTemplate, direct_template, staged_template
+from kvxfer.layout.tp import head_range
 
-__all__ = ["CacheView", "TransferPlan", "build_plan", "check_compatible"]
+__all__ = ["CacheView", "TransferPlan", "build_plan", "check_compatible", "head_overlap"]
 
 _U64 = np.uint64
 _MATCHING = ("model", "dtype", "head_dim", "num_layers", "num_kv_heads", "mla")
@@ -60,18 +61,34 @@ def check_compatible(a: KVSpec, b: KVSpec) -> None:
             raise LayoutError(f"{name} differs: local has {getattr(a, name)!r}; remote has {getattr(b, name)!r}")
 
 
+def head_overlap(a: KVSpec, b: KVSpec) -> tuple[int, int] | None:
+    """The one head-overlap rule of every path (descriptor plans, GPU pair tables, staged reads).
+
+    Returns the global KV-head range ``[start, stop)`` both ranks store, i.e. the heads a
+    consumer rank needs from a producer rank (symmetric in ``a`` and ``b``), or None when they
+    share none. MLA caches share their one latent head, ``(0, 1)``, on every rank.
+
+    Raises:
+        LayoutError: the specs do not describe the same model cache (``check_compatible``).
+    """
+    check_compatible(a, b)
+    a0, a1 = head_range(a.num_kv_heads, a.tp_size, a.tp_rank, a.mla)
+    b0, b1 = head_range(b.num_kv_heads, b.tp_size, b.tp_rank, b.mla)
+    start, stop = max(a0, b0), min(a1, b1)
+    return (start, stop) if start < stop else None
+
+
 def _check_pair(a: KVSpec, b: KVSpec) -> tuple[int, int]:
     """Raise LayoutError unless the specs can be combined; return the shared head range."""
-    check_compatible(a, b)
+    heads = head_overlap(a, b)
     small, big = sorted((a.block_size, b.block_size))
     if big % small:
         raise LayoutError(
             f"block sizes must be integer multiples of one another; local has {a.block_size}, "
             f"remote has {b.block_size}"
         )
-    la, lb = (a.first_head, a.first_head + a.heads_per_rank), (b.first_head, b.first_head + b.heads_per_rank)
-    heads = (max(la[0], lb[0]), min(la[1], lb[1]))
-    if heads[0] >= heads[1]:
+    if heads is None:
+        la, lb = (a.first_head, a.first_head + a.heads_per_rank), (b.first_head, b.first_head + b.heads_per_rank)
         raise LayoutError(
             f"remote rank {b.tp_rank}/{b.tp_size} holds heads [{lb[0]}, {lb[1]}) but local rank "
             f"{a.tp_rank}/{a.tp_size} needs heads [{la[0]}, {la[1]}): no overlap"

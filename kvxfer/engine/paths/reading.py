@@ -31,11 +31,11 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
 from kvxfer.engine.transfers import Part
-from kvxfer.gpu.pairs import direct_pairs, overlap, unpack_pairs
+from kvxfer.gpu.pairs import direct_pairs, unpack_pairs
 from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
+from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.request import check_block_ids
-from kvxfer.layout.tp import head_range
 from kvxfer.protocol import PackReady, Refuse
 from kvxfer.protocol.messages import PackRequest
 from kvxfer.types import MemKind
@@ -62,14 +62,11 @@ def shared_heads(producer, consumer) -> tuple[int, int]:
     """Global KV-head range ``[start, stop)`` the consumer rank needs from the producer rank.
 
     Raises LayoutError when they share none (or are not the same model cache)."""
-    ov = overlap(producer, consumer)
-    if ov is None:
+    heads = head_overlap(producer, consumer)
+    if heads is None:
         raise LayoutError(f"producer rank {producer.tp_rank}/{producer.tp_size} holds no head consumer rank "
                           f"{consumer.tp_rank}/{consumer.tp_size} needs")
-    if producer.mla:
-        return 0, 1
-    first = head_range(producer.num_kv_heads, producer.tp_size, producer.tp_rank)[0]
-    return first + ov.src_head, first + ov.src_head + ov.heads
+    return heads
 
 
 @dataclass
