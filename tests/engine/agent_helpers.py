@@ -1,4 +1,6 @@
-"""Helpers for agent tests: agents over the in-process FakeBackend (real bytes, real ZMQ on loopback)."""
+"""Helpers for agent tests: agents over the in-process FakeBackend (real bytes) whose side channel
+is ``kvxfer.testing.MemoryTransport`` (real sessions and codec, no sockets, no ports); a test about
+the ZMQ transport itself asks for it with ``zmq=True``."""
 
 import itertools
 import time
@@ -7,6 +9,7 @@ import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec
 from kvxfer.backend.fake import FakeBackend, FakeWorld
+from kvxfer.testing import MemoryNetwork, MemoryTransport
 
 _names = itertools.count()
 
@@ -46,15 +49,20 @@ class Harness:
 
     def __init__(self) -> None:
         self.world = FakeWorld()
+        self.network = MemoryNetwork()
         self.agents: list[Agent] = []
 
     def agent(self, s: KVSpec, *, port: int | None = None, seed: int = 0, listen: bool = True,
-              clock=None, **cfg) -> tuple[Agent, list[np.ndarray]]:
+              clock=None, zmq: bool = False, **cfg) -> tuple[Agent, list[np.ndarray]]:
+        """An agent (listening by default) with a seeded cache; ``zmq``: the real ZMQ side channel
+        on a free loopback port instead of the in-memory one."""
         name = f"a{next(_names)}"
-        config = AgentConfig(side_channel_host="127.0.0.1",
-                             side_channel_port=port if port is not None else free_port(),
+        if port is None:
+            port = free_port() if zmq else 0
+        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port,
                              handshake_timeout=cfg.pop("handshake_timeout", 2.0), **cfg)
-        agent = Agent(name, s, config, backend=FakeBackend(name, self.world), clock=clock)
+        transport = None if zmq else MemoryTransport(self.network)
+        agent = Agent(name, s, config, backend=FakeBackend(name, self.world), clock=clock, transport=transport)
         cache = make_cache(s, seed)
         agent.register(cache)
         if listen:

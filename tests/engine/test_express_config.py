@@ -19,11 +19,11 @@ def _listening(port: int) -> bool:
 def test_a_fixed_express_port_is_offset_by_rank_announced_and_used(harness):
     base = free_port_block(4)
     side = free_port_block(4)
-    producers = [harness.agent(spec(tp_size=2, tp_rank=r), port=side, seed=r, express_port=base)[0]
+    producers = [harness.agent(spec(tp_size=2, tp_rank=r), port=side, seed=r, express_port=base, zmq=True)[0]
                  for r in range(2)]
     assert [p._server.express_port for p in producers] == [base, base + 1]
     assert all(_listening(p) for p in (base, base + 1))
-    consumer, _ = harness.agent(spec(tp_size=2, tp_rank=0), listen=False)
+    consumer, _ = harness.agent(spec(tp_size=2, tp_rank=0), listen=False, zmq=True)
     link = consumer.connect("127.0.0.1", side + 1)
     assert link.info.express_port == base + 1 and link.client.express
 
@@ -34,13 +34,13 @@ def test_a_taken_express_port_is_a_config_error_naming_it(harness):
         taken.listen(1)
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"express lane cannot listen on 127.0.0.1:{port}"):
-            harness.agent(spec(), express_port=port)
+            harness.agent(spec(), express_port=port, zmq=True)
 
 
 def test_express_off_announces_no_port_and_opens_none(harness):
-    producer, _ = harness.agent(spec(), express_port=None)
+    producer, _ = harness.agent(spec(), express_port=None, zmq=True)
     assert producer._server.express_port == 0
-    consumer, _ = harness.agent(spec(), listen=False)
+    consumer, _ = harness.agent(spec(), listen=False, zmq=True)
     link = consumer.connect(*producer.address)
     assert link.info.express_port == 0 and not link.client.express
 
@@ -50,8 +50,8 @@ def test_with_a_key_the_lane_carries_signed_requests_and_a_forged_one_changes_no
     from kvxfer.transport.express import ATTACH, ATTACHED, HEADER, FrameReader, frame
 
     key = b"a-shared-key-of-32-bytes-length!"
-    producer, pcache = harness.agent(spec(), seed=1, auth_key=key)
-    consumer, cache = harness.agent(spec(), seed=2, listen=False, auth_key=key)
+    producer, pcache = harness.agent(spec(), seed=1, auth_key=key, zmq=True)
+    consumer, cache = harness.agent(spec(), seed=2, listen=False, auth_key=key, zmq=True)
     producer.hold("r", [1, 2])
     producer.hold("kept", [3])
     consumer.read(producer.address, [5, 6], [1, 2], "r").wait(5)
