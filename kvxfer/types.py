@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AbortOutcome", "MemKind", "Region", "ReleaseReason", "TransferPath", "XferState", "Direction"]
+__all__ = ["AbortOutcome", "MemKind", "Region", "ReleaseReason", "SessionState", "TransferPath", "XferState",
+           "Direction"]
 
 
 class MemKind(str, enum.Enum):
@@ -77,6 +78,24 @@ class AbortOutcome(str, enum.Enum):
             if worst in seen:
                 return worst
         return cls.NOT_HELD
+
+
+class SessionState(str, enum.Enum):
+    """Where a side-channel session stands in its handshake (``kvxfer.protocol.session`` holds
+    the transition tables). Members compare equal to their strings and print as them.
+
+    A client session is IDLE, HELLO_SENT, READY or FAILED; a server session is AWAITING_HELLO
+    or READY.
+    """
+
+    IDLE = "idle"
+    HELLO_SENT = "hello_sent"
+    AWAITING_HELLO = "awaiting_hello"
+    READY = "ready"
+    FAILED = "failed"
+
+    def __str__(self) -> str:  # "ready", as in logs and error messages
+        return self.value
 
 
 class XferState(enum.Enum):

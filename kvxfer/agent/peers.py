@@ -23,7 +23,7 @@ from typing import Callable, TypeVar
 
 from kvxfer.errors import KvxferError, PeerLostError
 from kvxfer.layout import CacheView, build_plan
-from kvxfer.protocol import ClientSession, Codec, PeerInfo
+from kvxfer.protocol import ClientSession, Codec, PeerInfo, SessionState
 from kvxfer.transport.base import Channel
 from kvxfer.transport.zmq import SideChannelClient
 from kvxfer.types import Region
@@ -57,11 +57,11 @@ class PeerLink:
     def healthy(self) -> bool:
         """Whether this link's session can still be used: open, ready, on the socket it was
         handshaken on, and no connection drop seen since (see ``SideChannelClient.stale``)."""
-        return (not self.closed and self.session.state == "ready"
+        return (not self.closed and self.session.state is SessionState.READY
                 and self.client.generation == self.generation and not self.client.stale())
 
     def _check_ready(self) -> None:
-        if self.closed or self.session.state != "ready":
+        if self.closed or self.session.state is not SessionState.READY:
             raise PeerLostError(f"link to {self.engine_id} at {self.host}:{self.port} lost its session "
                                 f"({'closed' if self.closed else self.session.state}): handshake again")
 

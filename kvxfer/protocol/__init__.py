@@ -47,6 +47,7 @@ from kvxfer.protocol.messages import (
     spec_to_wire,
 )
 from kvxfer.protocol.session import ClientSession, ServerSession, reject_error
+from kvxfer.types import SessionState  # the sessions' states, beside the other enums
 
 __all__ = [
     "Abort",
@@ -74,6 +75,7 @@ __all__ = [
     "Refuse",
     "Reject",
     "ServerSession",
+    "SessionState",
     "SpecWire",
     "StagingWire",
     "Welcome",

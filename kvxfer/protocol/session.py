@@ -44,24 +44,25 @@ from kvxfer.protocol.messages import (
     spec_from_wire,
     compat_hash,
 )
+from kvxfer.types import SessionState
 
 __all__ = ["ClientSession", "ServerSession", "reject_error"]
 
 log = logging.getLogger(__name__)
 
 #: Client: which call is legal in which state (anything else raises ProtocolError).
-_CLIENT_CALLS: dict[str, frozenset[str]] = {
-    "start": frozenset({"idle", "hello_sent", "ready", "failed"}),
-    "receive_welcome": frozenset({"hello_sent"}),
-    "request": frozenset({"ready"}),
-    "response": frozenset({"ready"}),
+_CLIENT_CALLS: dict[str, frozenset[SessionState]] = {
+    "start": frozenset({SessionState.IDLE, SessionState.HELLO_SENT, SessionState.READY, SessionState.FAILED}),
+    "receive_welcome": frozenset({SessionState.HELLO_SENT}),
+    "request": frozenset({SessionState.READY}),
+    "response": frozenset({SessionState.READY}),
 }
 
 #: Server: (state, message type) -> handler name. Anything else is Reject('state').
-_SERVER_TABLE: dict[tuple[str, type], str] = {
-    ("awaiting_hello", Hello): "_on_hello",
-    ("ready", Hello): "_on_hello",
-    **{("ready", kind): "_on_request" for kind in REPLIES},
+_SERVER_TABLE: dict[tuple[SessionState, type], str] = {
+    (SessionState.AWAITING_HELLO, Hello): "_on_hello",
+    (SessionState.READY, Hello): "_on_hello",
+    **{(SessionState.READY, kind): "_on_request" for kind in REPLIES},
 }
 
 _REPLY_TYPES = tuple({t for replies in REPLIES.values() for t in replies})
@@ -90,7 +91,7 @@ class ClientSession:
     """Client side of one connection to one remote agent.
 
     Attributes:
-        state: ``"idle" | "hello_sent" | "ready" | "failed"``.
+        state: a ``SessionState``: ``IDLE``, ``HELLO_SENT``, ``READY`` or ``FAILED``.
         peer: the server's ``PeerInfo`` from the latest Welcome (kept across a restart).
         peer_spec, peer_geometry: the validated ``KVSpec`` / ``CacheGeometry`` of ``peer``.
         restarted: the latest Welcome came from another ``engine_id`` than the one before:
@@ -101,7 +102,7 @@ class ClientSession:
         _check_local(codec, local)
         self.codec = codec
         self.local = local
-        self.state = "idle"
+        self.state = SessionState.IDLE
         self.peer: PeerInfo | None = None
         self.peer_spec = None
         self.peer_geometry = None
@@ -109,14 +110,14 @@ class ClientSession:
 
     def _require(self, call: str) -> None:
         if self.state not in _CLIENT_CALLS[call]:
-            allowed = sorted(_CLIENT_CALLS[call])
-            raise ProtocolError(f"{call}(): expected state in {allowed}; got {self.state!r}")
+            allowed = sorted(state.value for state in _CLIENT_CALLS[call])
+            raise ProtocolError(f"{call}(): expected state in {allowed}; got {self.state.value!r}")
 
     def start(self) -> bytes:
         """Begin (or restart) the handshake; returns the Hello frame to send."""
         self._require("start")
         frame = self.codec.encode(Hello(self.local))
-        self.state = "hello_sent"
+        self.state = SessionState.HELLO_SENT
         return frame
 
     def receive_welcome(self, frame: bytes) -> PeerInfo:
@@ -137,11 +138,11 @@ class ClientSession:
                 raise ProtocolError(f"handshake reply: expected Welcome; got {type(msg).__name__}")
             spec, geometry = check_peer_info(msg.info, self.codec.compat)
         except KvxferError:
-            self.state = "failed"
+            self.state = SessionState.FAILED
             raise
         self.restarted = self.peer is not None and self.peer.engine_id != msg.info.engine_id
         self.peer, self.peer_spec, self.peer_geometry = msg.info, spec, geometry
-        self.state = "ready"
+        self.state = SessionState.READY
         return msg.info
 
     def request(self, msg: Message) -> bytes:
@@ -169,7 +170,7 @@ class ClientSession:
         msg = self.codec.decode(frame)
         if isinstance(msg, Reject):
             if msg.code == "state":
-                self.state = "idle"
+                self.state = SessionState.IDLE
                 peer = self.peer.engine_id if self.peer else "?"
                 raise PeerLostError(
                     f"peer {peer} no longer knows this session ({msg.detail}); it restarted or "
@@ -199,7 +200,7 @@ class ServerSession:
             and becomes Reject('unknown').
 
     Attributes:
-        state: ``"awaiting_hello" | "ready"``.
+        state: a ``SessionState``: ``AWAITING_HELLO`` or ``READY``.
         peer: the client's ``PeerInfo`` once handshaken; ``peer_spec``/``peer_geometry`` validated.
         restarted: the latest Hello replaced a peer with another ``engine_id``.
         rejected: how many frames were answered with a Reject (for metrics and tests).
@@ -211,7 +212,7 @@ class ServerSession:
         self.codec = codec
         self.local = local
         self.on_request = on_request
-        self.state = "awaiting_hello"
+        self.state = SessionState.AWAITING_HELLO
         self.peer: PeerInfo | None = None
         self.peer_spec = None
         self.peer_geometry = None
@@ -232,8 +233,8 @@ class ServerSession:
         handler = _SERVER_TABLE.get((self.state, type(msg)))
         if handler is None:
             return self._reject(
-                "state", f"in state {self.state!r} a client may not send {type(msg).__name__}"
-                + (" (expected Hello first)" if self.state == "awaiting_hello" else "")
+                "state", f"in state {self.state.value!r} a client may not send {type(msg).__name__}"
+                + (" (expected Hello first)" if self.state is SessionState.AWAITING_HELLO else "")
             )
         return getattr(self, handler)(msg)
 
@@ -259,7 +260,7 @@ class ServerSession:
     def forget_peer(self) -> None:
         """Back to ``awaiting_hello``, dropping the peer's ``PeerInfo`` (up to 512 KiB of backend
         metadata): the transport calls this when it stops keeping the session."""
-        self.state, self.peer, self.peer_spec, self.peer_geometry = "awaiting_hello", None, None, None
+        self.state, self.peer, self.peer_spec, self.peer_geometry = SessionState.AWAITING_HELLO, None, None, None
 
     def _on_hello(self, msg: Hello) -> bytes:
         try:
@@ -274,7 +275,7 @@ class ServerSession:
             log.info("side channel: client %s replaced by %s (restart)",
                      previous.engine_id, msg.info.engine_id)
         self.peer, self.peer_spec, self.peer_geometry = msg.info, spec, geometry
-        self.state = "ready"
+        self.state = SessionState.READY
         return self.codec.encode(Welcome(self.local))
 
     def _on_request(self, msg: Message) -> bytes:

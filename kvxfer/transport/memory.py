@@ -16,7 +16,7 @@ import threading
 from typing import Callable
 
 from kvxfer.errors import ClosedError, ConfigError, PeerLostError, ProtocolError
-from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession
+from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession, SessionState
 
 __all__ = ["MemoryNetwork", "MemoryTransport"]
 
@@ -84,7 +84,7 @@ class MemoryListener:
             if session.rejected != before:
                 code = session.last_reject[0]
                 self._rejected[code] = self._rejected.get(code, 0) + 1
-            if fresh and session.state == "ready":
+            if fresh and session.state is SessionState.READY:
                 self._sessions[channel_id] = session
             return reply
 

@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.errors import ClosedError, ConfigError
-from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession
+from kvxfer.protocol import DEFAULT_MAX_BYTES, PeerInfo, ServerSession, SessionState
 from kvxfer.transport.express_server import ExpressPort
 from kvxfer.transport.sessions import LogLimiter, SessionTable
 from kvxfer.transport.zmq_client import (
@@ -220,7 +220,7 @@ class SideChannelServer:
         else:
             session = self._make_session()
             reply, _ = self._receive(session, frame)
-            if session.state == "ready":
+            if session.state is SessionState.READY:
                 address, fd = _peer_of(frames[-1])
                 with self._lock:
                     kept = self._table.add(identity, address, session, fd)
@@ -244,7 +244,7 @@ class SideChannelServer:
         """A kept session's reply to one frame (from ZMQ or its express lane)."""
         reply, taken = self._receive(session, frame)
         with self._lock:
-            self._table.touch(identity, request=session.state == "ready" and taken)
+            self._table.touch(identity, request=session.state is SessionState.READY and taken)
         return reply
 
     def _answer_known(self, identity: bytes, frame: bytes) -> bytes | None:

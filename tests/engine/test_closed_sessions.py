@@ -7,7 +7,8 @@ import weakref
 import pytest
 
 from kvxfer.layout.spec import CacheGeometry
-from kvxfer.protocol import ClientSession, Codec, Heartbeat, HeartbeatAck, compat_hash, make_peer_info
+from kvxfer.protocol import (ClientSession, Codec, Heartbeat, HeartbeatAck, SessionState, compat_hash,
+                             make_peer_info)
 from kvxfer.transport.sessions import SessionTable
 
 from agent_helpers import spec
@@ -50,6 +51,6 @@ def test_removing_a_session_drops_its_peer_info_even_while_it_is_still_reference
     session = _handshaken(harness, b"\x07" * (500 << 10))
     table = SessionTable()
     assert table.add(b"client-1", "127.0.0.1", session)
-    assert session.peer is not None and session.state == "ready"
+    assert session.peer is not None and session.state is SessionState.READY
     assert table.remove(b"client-1")
-    assert session.peer is None and session.peer_geometry is None and session.state == "awaiting_hello"
+    assert session.peer is None and session.peer_geometry is None and session.state is SessionState.AWAITING_HELLO

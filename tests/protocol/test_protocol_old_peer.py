@@ -17,7 +17,7 @@ import pytest
 from kvxfer.errors import ProtocolError
 from kvxfer.protocol import (
     Claim, ClientSession, Codec, Done, Grant, Hello, Message, PackReady, PackRequest, PeerInfo,
-    Reject, ServerSession, StagingWire, Welcome, check_peer_info,
+    Reject, ServerSession, SessionState, StagingWire, Welcome, check_peer_info,
 )
 from kvxfer.protocol.messages import IpcWire
 
@@ -117,7 +117,7 @@ def test_old_client_handshakes_with_a_current_server_and_reads_its_welcome():
     server = ServerSession(codec(), gpu_info("eng-new"), on_request=lambda m: None)
     old = old_codec()
     reply = server.receive(old.encode(OldHello(old_info(info("eng-old")))))
-    assert server.state == "ready" and server.rejected == 0
+    assert server.state is SessionState.READY and server.rejected == 0
     assert (server.peer.host_id, server.peer.ipc, server.peer.staging) == ("", None, None)
     welcome = old.decode(reply)
     assert isinstance(welcome, OldWelcome)
@@ -130,7 +130,7 @@ def test_current_client_handshakes_with_an_old_server():
     hello = client.start()
     assert isinstance(old_codec().decode(hello), OldHello)  # the old server can read our Hello
     peer = client.receive_welcome(old_codec().encode(OldWelcome(old_info(info("eng-old")))))
-    assert client.state == "ready"
+    assert client.state is SessionState.READY
     assert (peer.engine_id, peer.host_id, peer.ipc, peer.staging) == ("eng-old", "", None, None)
 
 
@@ -182,15 +182,15 @@ def test_old_server_rejects_a_message_it_does_not_know_and_the_client_gets_a_typ
                                on_request=lambda m: Grant(m.request_id, 30.0))
     client = ClientSession(codec(), gpu_info("eng-new"))
     client.receive_welcome(old_server.receive(client.start()))
-    assert old_server.state == "ready"
+    assert old_server.state is SessionState.READY
     reply = old_server.receive(client.request(msg))
     rejected = codec().decode(reply)
     assert isinstance(rejected, Reject) and rejected.code == "malformed"
     assert f"Invalid value '{type(msg).__name__}'" in rejected.detail
-    assert old_server.state == "ready" and old_server.rejected == 1
+    assert old_server.state is SessionState.READY and old_server.rejected == 1
     with pytest.raises(ProtocolError, match=rf"rejected it \(malformed\).*'{type(msg).__name__}'"):
         client.response(reply, msg)
-    assert client.state == "ready"
+    assert client.state is SessionState.READY
     claim = Claim("r", [1], "eng-new")  # and the old server still serves what it knows
     assert client.response(old_server.receive(client.request(claim)), claim) == Grant("r", 30.0)
 
@@ -206,4 +206,4 @@ def test_current_decoder_names_an_unknown_message_tag():
     server.receive(ClientSession(codec(), info("eng-a")).start())
     rejected = c.decode(server.receive(frame))
     assert isinstance(rejected, Reject) and rejected.code == "malformed" and "Frobnicate" in rejected.detail
-    assert server.state == "ready" and server.rejected == 1
+    assert server.state is SessionState.READY and server.rejected == 1

@@ -26,6 +26,7 @@ from kvxfer.protocol import (
     Refuse,
     Reject,
     ServerSession,
+    SessionState,
 )
 from proto_helpers import KEY, codec, info, spec
 
@@ -61,11 +62,11 @@ def consumer(engine_id="cons-1", key=None, s=None) -> ClientSession:
 
 def test_handshake_exchanges_identity_and_geometry():
     prod, cons = Producer(), consumer()
-    assert (cons.state, prod.session.state) == ("idle", "awaiting_hello")
+    assert (cons.state, prod.session.state) == (SessionState.IDLE, SessionState.AWAITING_HELLO)
     hello = cons.start()
-    assert cons.state == "hello_sent"
+    assert cons.state is SessionState.HELLO_SENT
     peer = cons.receive_welcome(prod.session.receive(hello))
-    assert cons.state == prod.session.state == "ready"
+    assert cons.state is prod.session.state is SessionState.READY
     assert peer.engine_id == "prod-1" and prod.session.peer.engine_id == "cons-1"
     assert cons.peer_geometry.bases.tolist() == info("prod-1", base=1 << 44).bases
     assert cons.peer_spec == spec() and prod.session.peer_spec == spec()
@@ -94,11 +95,12 @@ def test_requests_before_handshake():
         cons.request(Claim("req-1", [1], "cons-1"))
     with pytest.raises(ProtocolError, match="got 'idle'"):
         cons.receive_welcome(b"")
-    assert cons.state == "idle"
+    assert cons.state is SessionState.IDLE
     # a raw Claim frame sent to a server that has not seen Hello
     reply = codec().decode(prod.session.receive(codec().encode(Claim("req-1", [1], "cons-1"))))
     assert isinstance(reply, Reject) and reply.code == "state" and "expected Hello first" in reply.detail
-    assert prod.session.state == "awaiting_hello" and prod.applied == []
+    assert "in state 'awaiting_hello' a client may not send Claim" in reply.detail  # the value, not the member
+    assert prod.session.state is SessionState.AWAITING_HELLO and prod.applied == []
 
 
 def test_peer_with_another_protocol_version():
@@ -107,20 +109,20 @@ def test_peer_with_another_protocol_version():
     v2 = hello[:4] + (2).to_bytes(2, "big") + hello[6:]
     reply = codec().decode(prod.session.receive(v2))
     assert reply.code == "version" and "expected 1; got 2" in reply.detail
-    assert prod.session.state == "awaiting_hello" and prod.session.peer is None
+    assert prod.session.state is SessionState.AWAITING_HELLO and prod.session.peer is None
     # and a client answered by a v2 server
     welcome = prod.session.receive(hello)
     with pytest.raises(IncompatiblePeerError, match="expected 1; got 2"):
         cons.receive_welcome(welcome[:4] + (2).to_bytes(2, "big") + welcome[6:])
-    assert cons.state == "failed"
+    assert cons.state is SessionState.FAILED
 
 
 def test_peer_with_another_model_gets_a_readable_reject():
     prod, cons = Producer(), consumer(s=spec(model="other-model"))
     with pytest.raises(IncompatiblePeerError, match=r"rejected it \(model\).*compat hash"):
         cons.receive_welcome(prod.session.receive(cons.start()))
-    assert cons.state == "failed"
-    assert prod.session.state == "awaiting_hello" and prod.session.rejected == 1
+    assert cons.state is SessionState.FAILED
+    assert prod.session.state is SessionState.AWAITING_HELLO and prod.session.rejected == 1
 
 
 def test_hello_whose_body_lies_about_its_model():
@@ -138,7 +140,7 @@ def test_garbage_changes_no_server_state(frame):
     peer_before = prod.session.peer
     reply = codec().decode(prod.session.receive(frame))
     assert reply.code == "malformed"
-    assert prod.session.state == "ready" and prod.session.peer is peer_before and prod.applied == []
+    assert prod.session.state is SessionState.READY and prod.session.peer is peer_before and prod.applied == []
     claim = Claim("req-1", [1], "cons-1")
     assert isinstance(cons.response(prod.session.receive(cons.request(claim))), Grant)
 
@@ -157,13 +159,13 @@ def test_wrong_or_missing_key(client_key):
     prod, cons = Producer(key=KEY), consumer(key=client_key)
     with pytest.raises(AuthenticationError):
         cons.receive_welcome(prod.session.receive(cons.start()))
-    assert prod.session.state == "awaiting_hello" and prod.session.rejected == 1
+    assert prod.session.state is SessionState.AWAITING_HELLO and prod.session.rejected == 1
 
 
 def test_matching_keys_handshake():
     prod, cons = Producer(key=KEY), consumer(key=KEY)
     connect(prod, cons)
-    assert cons.state == "ready"
+    assert cons.state is SessionState.READY
 
 
 def test_restarted_producer_is_detected():
@@ -172,7 +174,7 @@ def test_restarted_producer_is_detected():
     restarted = Producer("prod-2")  # same address, new process: it never saw our Hello
     with pytest.raises(PeerLostError, match="prod-1 no longer knows this session"):
         cons.response(restarted.session.receive(cons.request(Claim("req-1", [1], "cons-1"))))
-    assert cons.state == "idle" and restarted.applied == []
+    assert cons.state is SessionState.IDLE and restarted.applied == []
     connect(restarted, cons)
     assert cons.restarted and cons.peer.engine_id == "prod-2"
     connect(restarted, cons)  # a plain re-handshake with the same peer is not a restart
@@ -210,7 +212,7 @@ def test_handler_errors_become_rejects_and_the_session_survives():
         cons.response(prod.session.receive(cons.request(Claim("gone", [1], "cons-1"))))
     claim = Claim("req-3", [1], "cons-1")
     assert cons.response(prod.session.receive(cons.request(claim)), claim) == Refuse("req-3", "unknown request")
-    assert cons.state == "ready"
+    assert cons.state is SessionState.READY
 
 
 def test_bad_pack_request_and_mismatched_replies():
@@ -225,7 +227,7 @@ def test_bad_pack_request_and_mismatched_replies():
         cons.response(codec().encode(Grant("req-2", 1.0)), claim)
     with pytest.raises(ProtocolError, match="expected one of"):
         cons.request(Grant("req-1", 1.0))
-    assert cons.state == "ready"
+    assert cons.state is SessionState.READY
 
 
 def test_local_info_must_match_the_codec():
