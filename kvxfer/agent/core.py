@@ -134,7 +134,7 @@ class Agent:
             self._staging_buf.fill(0)  # fault the pages in now, not during the first transfer
             region = self._registry.register_buffer(self._staging_buf)
             staging, base = StagingAllocator(self.config.staging_bytes), region.addr
-        self._kit = PathKit(self._backend, self.config, self._view)
+        self._kit = PathKit(self._backend, self.config, self._view, clock=self._clock)
         self._packer = PackServer(self._kit, self._view, self._leases, self.config.lease_timeout)
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
                                       staging_base=base, staging=staging, unpack=self._unpack,
@@ -238,6 +238,7 @@ class Agent:
         remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
         note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         parts: list = []
+        route = None
         for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
             links, notify_only = self._links_for(remote, self._time_left(deadline, request_id))
             try:
@@ -255,6 +256,10 @@ class Agent:
                         # kernel only reads the producer's (mapped) cache; if the claim is refused,
                         # the read fails and only this request's own destination blocks were written.
                         parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
+                    elif route.mode == "staged":
+                        # The pack request rides right behind the claim on the same session: the
+                        # producer checks the claim first, and the two round trips overlap.
+                        route.send_packs(self._kit, view, timeout, self._time_left(deadline, request_id))
                 except BaseException:
                     self._claims.undo(request_id, sent)
                     raise
@@ -264,6 +269,8 @@ class Agent:
             except KvxferError as exc:
                 _cancel_jobs(parts)
                 parts = []
+                if route is not None:
+                    route.drop_packs(self._kit)
                 if not isinstance(exc, PeerLostError):
                     raise
                 for link in links + notify_only:
@@ -288,6 +295,7 @@ class Agent:
                                          setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
         except KvxferError:
             _cancel_jobs(parts)
+            route.drop_packs(self._kit)
             self._claims.give_back(request_id)
             raise
         handle.add_done_callback(self._on_read_done)

@@ -13,13 +13,16 @@ import types
 import numpy as np
 import pytest
 
+from kvxfer.backend.base import descs
 from kvxfer.backend.fake import FakeBackend, FakeWorld
-from kvxfer.errors import ProtocolError
+from kvxfer.clock import ManualClock
+from kvxfer.errors import ProtocolError, TransferTimeoutError
 from kvxfer.gpu.ops import pair_copy_numpy
 from kvxfer.gpu.pairs import pack_pairs, unpack_pairs
-from kvxfer.engine.paths.pipeline import (DATA, PipeMessage, StagingArea, fetch_read, push_write, receive_write,
-                               serve_read, split_pieces)
+from kvxfer.engine.paths.pipeline import (DATA, PipeMessage, StagingArea, drain, fetch_read, push_write,
+                                          receive_write, serve_read, split_pieces)
 from kvxfer.layout.spec import CacheGeometry, KVSpec
+from kvxfer.types import Direction, MemKind
 
 from .oracle import element_view, expected_move
 
@@ -129,6 +132,53 @@ def test_pipeline_moves_every_byte(direction, slots, slot_kib):
     d = s["d"]
     got = element_view(d, s["mem"], s["dg"])
     assert np.array_equal(got, s["want"])
+
+
+def _waits_for_the_clock(clock: ManualClock, fn) -> list:
+    """Run ``fn`` in a thread: it must still be waiting after 50 ms of real time and end once
+    ``clock`` moves 10 s. Returns what it raised (or ``[]``)."""
+    errors: list = []
+    t = threading.Thread(target=lambda: _catch(fn, errors))
+    t.start()
+    t.join(0.05)
+    waiting = t.is_alive()
+    clock.advance(10.0)
+    t.join(5.0)
+    assert waiting, f"gave up on the real clock: {errors}"
+    assert not t.is_alive()
+    return errors
+
+
+@pytest.mark.parametrize("side", ["fetch_read", "receive_write"])
+def test_a_consumer_with_no_producer_times_out_on_the_clock_it_is_given(side):
+    s = _setup("read", 2, 4 << 10)
+    # Far before time.monotonic(): a loop that read the real clock would give up at once.
+    clock = ManualClock(start=-1e6)
+    deadline = clock.now() + 5
+    link = Link(s["cb"], "prod")  # no producer runs: nothing ever arrives
+    if side == "fetch_read":
+        run = lambda: fetch_read(7, s["unpack"], s["c_area"], s["kernel"], link, s["cb"], "prod",  # noqa: E731
+                                 s["p_area"].slot_addr, 0, deadline, clock=clock)
+    else:
+        run = lambda: receive_write(7, s["unpack"], s["c_area"], s["kernel"], link, deadline,  # noqa: E731
+                                    clock=clock)
+    errors = _waits_for_the_clock(clock, run)
+    assert len(errors) == 1 and isinstance(errors[0], TransferTimeoutError), errors
+    assert "deadline passed" in str(errors[0])
+
+
+def test_drain_waits_for_a_pending_move_until_its_clock_says_so():
+    s = _setup("read", 2, 4 << 10)
+    clock = ManualClock(start=-1e6)
+    cb, area = s["cb"], s["c_area"]
+    cb.hold_transfers(True)  # the move stays PENDING
+    xid = cb.post(Direction.READ, descs([area.slot_addr(0)], 256, 0), MemKind.VRAM,
+                  descs([s["p_area"].slot_addr(0)], 256, 0), MemKind.VRAM, "prod", b"")
+    stuck: list = []
+    errors = _waits_for_the_clock(clock, lambda: stuck.append(drain(cb, [xid], clock.now() + 1, clock=clock)))
+    assert not errors and stuck == [1]  # still pending when the clock passed: left unreleased
+    cb.hold_transfers(False)
+    assert drain(cb, [xid], clock.now(), clock=clock) == 0
 
 
 def _catch(fn, errors):

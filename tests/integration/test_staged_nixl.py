@@ -154,6 +154,50 @@ def test_pack_request_for_an_unclaimed_request_is_refused(producers):
         assert prod.ask("serving") == (0, 0) and prod.ask("holding") == ["r"]
 
 
+def test_pack_request_travels_with_the_claim_in_one_round_trip(producers, monkeypatch):
+    """The consumer sends the PackRequest right behind the claim, before the claim's answer is
+    taken: one round trip, not two (the producer still checks the claim first)."""
+    from kvxfer.agent import peers
+
+    events = []
+    send, answer = peers.PeerLink.send, peers.PendingAnswer.answer
+
+    def recording_send(self, message, timeout):
+        events.append(("send", type(message).__name__))
+        return send(self, message, timeout)
+
+    def recording_answer(self):
+        events.append(("answer", type(self._message).__name__))
+        return answer(self)
+
+    monkeypatch.setattr(peers.PeerLink, "send", recording_send)
+    monkeypatch.setattr(peers.PendingAnswer, "answer", recording_answer)
+    spec = KVSpec(**COMMON)
+    p_ids, c_ids = [7, 3, 22], [1, 9, 4]
+    prod = StagedProducer(spec, seed=4, port=free_port_block(), holds={"r": p_ids})
+    producers.append(prod)
+    cons, cache = consumer(spec, **STAGED)
+    with cons:
+        cons.connect(*prod.address)
+        events.clear()
+        assert cons.read(prod.address, c_ids, p_ids, "r").wait(60).mode == "staged"
+        _check(spec, cache, cache_for(spec, 99), c_ids, [(spec, cache_for(spec, 4))], p_ids)
+    ours = [e for e in events if e[1] in ("Claim", "PackRequest")]
+    assert ours == [("send", "Claim"), ("send", "PackRequest"), ("answer", "Claim"), ("answer", "PackRequest")], ours
+
+
+def test_a_refused_claim_leaves_no_pack_behind(producers):
+    spec = KVSpec(**COMMON)
+    prod = StagedProducer(spec, seed=1, port=free_port_block(), holds={"r": [1, 2]})
+    producers.append(prod)
+    cons, _ = consumer(spec, **STAGED)
+    with cons:
+        with pytest.raises(LeaseExpiredError):
+            cons.read(prod.address, [0, 1], [1, 2], "not-held").wait(30)
+        assert prod.ask("serving") == (0, 0) and prod.ask("holding") == ["r"]
+        assert cons._kit.slots_in_use == 0 and cons._kit.router.active() == 0
+
+
 def test_forcing_staged_against_a_producer_without_staging_names_why(producers):
     from kvxfer import ConfigError
     from nixl_peers import Producer

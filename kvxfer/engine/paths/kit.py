@@ -3,9 +3,9 @@
 ``PathKit`` is built when the cache is registered: the pair-copy kernel (``PairKernel`` on a
 GPU, ``HostPairKernel`` on host memory), the staging area that serves and receives staged
 reads (with a pool of its slots), this cache's CUDA IPC export, the host identity, the CUDA
-stream IPC reads run on, and the router of pipeline notifications. It also maps peers'
-caches (once per ``PeerLink``; unmapped when the link closes) and says, per peer, why a path
-is not available.
+stream IPC reads run on, the router of pipeline notifications, and the clock the staged
+paths' deadlines are measured on. It also maps peers' caches (once per ``PeerLink``; unmapped
+when the link closes) and says, per peer, why a path is not available.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from kvxfer.backend.base import Backend
+from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.config import AgentConfig
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.errors import ConfigError, KvxferError, RegistrationError, TransferTimeoutError
@@ -35,10 +36,16 @@ log = logging.getLogger("kvxfer.agent")
 
 
 class PathKit:
-    """GPU-path resources of one agent. ``close`` releases them (idempotent)."""
+    """GPU-path resources of one agent. ``close`` releases them (idempotent).
 
-    def __init__(self, backend: Backend, config: AgentConfig, view: CacheView) -> None:
+    ``clock`` (the agent's; ``MonotonicClock`` by default) measures every staged-path deadline:
+    the slot wait here, the producer's ``PackRequest`` window and the pipeline loops.
+    """
+
+    def __init__(self, backend: Backend, config: AgentConfig, view: CacheView,
+                 clock: Clock | None = None) -> None:
         self.backend, self.config, self.view = backend, config, view
+        self.clock: Clock = clock or MonotonicClock()
         geometry = view.geometry
         self.vram = geometry.kind is MemKind.VRAM
         self.device = int(geometry.device)
@@ -126,14 +133,19 @@ class PathKit:
         return max(1, min(4, self.area.slots // max(1, parts))) if self.area is not None else 0
 
     def take_slots(self, count: int, deadline: float, stopped) -> SlotRange:
-        """Wait for ``count`` consecutive free slots; ``stopped()`` raising aborts the wait."""
+        """Wait for ``count`` consecutive free slots until ``deadline`` (on ``self.clock``);
+        ``stopped()`` raising aborts the wait.
+
+        Raises:
+            TransferTimeoutError: the deadline passed first.
+        """
         while True:
             with self._slot_lock:
                 first = self._slots.allocate(count)
             if first is not None:
                 return self.area.subset(first, count)
             stopped()
-            if time.monotonic() > deadline:
+            if self.clock.now() > deadline:
                 raise TransferTimeoutError(f"no {count} free staging slots before the deadline")
             time.sleep(0.001)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import numpy as np
 
@@ -79,7 +78,7 @@ class PackServer:
             return Refuse(msg.request_id, refusal)
         pipe = kit.router.open(self._backend_name(peer), msg.tag, 0, 0)  # ProtocolError: tag in use
         timeout = msg.timeout if 0 < msg.timeout <= self._lease_timeout else self._lease_timeout
-        deadline = time.monotonic() + timeout
+        deadline = kit.clock.now() + timeout
         count = kit.slots_per_transfer(1)
         held: list = []
 
@@ -88,7 +87,7 @@ class PackServer:
             held.append(slots)
             pipe.slot_offset = (slots.addr - kit.area.addr) // kit.area.slot_bytes
             pipe.slot_count = slots.slots
-            serve_read(msg.tag, pack, slots, kit.kernel, pipe, deadline, msg.piece_bytes)
+            serve_read(msg.tag, pack, slots, kit.kernel, pipe, deadline, msg.piece_bytes, clock=kit.clock)
 
         def cleanup() -> None:
             kit.router.close(pipe)

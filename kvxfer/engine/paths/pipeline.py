@@ -18,7 +18,8 @@ Two directions, same pieces:
 Messages are 20-byte ``PipeMessage`` records carried by a ``Link`` (the engine routes them
 through its own channel; the benchmark uses the backend's notifications). Every loop takes a
 deadline and raises ``TransferTimeoutError`` past it, ``TransferFailedError`` when the backend
-reports a failed move.
+reports a failed move. Deadlines are read on the ``clock`` keyword (the engine passes its
+``PathKit.clock``; ``MonotonicClock`` when left out); the polls between reads sleep in real time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from kvxfer.backend.base import Backend, descs
+from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError, TransferTimeoutError
 from kvxfer.gpu.ops import PairKernel
 from kvxfer.gpu.pairs import PairCopy
@@ -215,8 +217,8 @@ def _split_done(items: list[tuple[Any, Any]]) -> tuple[list, list]:
     return done, pending
 
 
-def _check_deadline(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
+def _check_deadline(clock: Clock, deadline: float, what: str) -> None:
+    if clock.now() > deadline:
         raise TransferTimeoutError(f"staged transfer: deadline passed while {what}")
 
 
@@ -241,19 +243,20 @@ def _piece_copy(copy: PairCopy, piece: tuple[int, int], slot_addr: int, staging_
 
 
 def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
-               deadline: float, slot_bytes: int | None = None) -> None:
+               deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None) -> None:
     """Producer side of a READ: pack every piece (``pack`` built with staging offset 0), announce
-    it, and reuse slots as the consumer frees them. Returns once every piece was read."""
+    it, and reuse slots as the consumer frees them. Returns once every piece was read.
+    ``deadline`` is on ``clock`` (``MonotonicClock`` by default)."""
     gpu = _Gpu(kernel)
     pieces = split_pieces(pack, slot_bytes or area.slot_bytes)
     try:
-        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline)
+        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline, clock or MonotonicClock())
     finally:  # the slots go back to the caller only once no pack kernel can still write them
         gpu.stream.synchronize()
 
 
 def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area: StagingArea, gpu: "_Gpu",
-                  link: Link, deadline: float) -> None:
+                  link: Link, deadline: float, clock: Clock) -> None:
     free = collections.deque(range(area.slots))
     packing: collections.deque = collections.deque()
     seen: set[int] = set()   # pieces freed: a peer's duplicate must not end the loop early
@@ -273,19 +276,21 @@ def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area:
             free.append(msg.slot)
             freed += 1
         gpu.reap()
-        _check_deadline(deadline, f"serving piece {freed} of {len(pieces)}")
+        _check_deadline(clock, deadline, f"serving piece {freed} of {len(pieces)}")
 
 
 def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
                backend: Backend, peer: str, remote_slot_addr: Callable[[int], int], remote_device: int,
                deadline: float, slot_bytes: int | None = None, trace: list | None = None,
-               remote_kind: MemKind = MemKind.VRAM) -> None:
+               remote_kind: MemKind = MemKind.VRAM, *, clock: Clock | None = None) -> None:
     """Consumer side of a READ: pull each announced piece into a local slot, free the remote slot,
     unpack. Returns once every piece is unpacked and the unpack stream has finished.
     A READY for a slot outside the producer's ``remote_slots`` is the caller's to bound
     (``remote_slot_addr`` raises for it).
 
-    ``trace`` (a list) receives ``(what, piece, perf_counter())`` for every step, for profiling."""
+    ``deadline`` is on ``clock`` (``MonotonicClock`` by default). ``trace`` (a list) receives
+    ``(what, piece, perf_counter())`` for every step, for profiling."""
+    clock = clock or MonotonicClock()
     note = (lambda what, piece: trace.append((what, piece, time.perf_counter()))) if trace is not None \
         else (lambda what, piece: None)
     gpu = _Gpu(kernel)
@@ -293,11 +298,12 @@ def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel
     moving: list[tuple[int, int, int, int]] = []  # piece, local slot, remote slot, xfer
     try:
         _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,
-                      remote_kind, deadline, moving, note)
+                      remote_kind, deadline, clock, moving, note)
     finally:
         # Failed or cancelled: nothing may land in a slot after we return. Releasing a pending
         # READ does not stop its bytes (UCX over TCP), so wait for each to end first.
-        stuck = drain(backend, [xid for _, _, _, xid in moving], max(deadline, time.monotonic()) + DRAIN_GRACE)
+        stuck = drain(backend, [xid for _, _, _, xid in moving], max(deadline, clock.now()) + DRAIN_GRACE,
+                      clock=clock)
         gpu.stream.synchronize()
         if stuck:
             raise SlotsQuarantined(f"staged READ (tag {tag}): {stuck} move(s) into this transfer's slots "
@@ -312,9 +318,11 @@ class SlotsQuarantined(TransferFailedError):
     """A pipeline ended with moves into its slots still pending: the slots must not be reused."""
 
 
-def drain(backend: Backend, xids: list[int], until: float) -> int:
+def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | None = None) -> int:
     """Release each transfer once the backend says it ended (DONE or FAILED), polling until
-    ``until``; returns how many are still pending then (left unreleased: they may still write)."""
+    ``until`` (on ``clock``, ``MonotonicClock`` by default); returns how many are still pending
+    then (left unreleased: they may still write)."""
+    clock = clock or MonotonicClock()
     pending = list(xids)
     while pending:
         still = []
@@ -333,7 +341,7 @@ def drain(backend: Backend, xids: list[int], until: float) -> int:
             else:
                 still.append(xid)
         pending = still
-        if pending and time.monotonic() >= until:
+        if pending and clock.now() >= until:
             return len(pending)
         if pending:
             time.sleep(0.0005)
@@ -341,7 +349,7 @@ def drain(backend: Backend, xids: list[int], until: float) -> int:
 
 
 def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,
-                  remote_kind, deadline, moving, note) -> None:
+                  remote_kind, deadline, clock, moving, note) -> None:
     ready: collections.deque = collections.deque()
     announced: set[int] = set()   # a peer's duplicate READY must not count a piece twice
     free = collections.deque(range(area.slots))
@@ -384,14 +392,17 @@ def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_sl
             free.append(slot)
             done += 1
         gpu.reap()
-        _check_deadline(deadline, f"fetching piece {done} of {len(pieces)}")
+        _check_deadline(clock, deadline, f"fetching piece {done} of {len(pieces)}")
 
 
 def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
                backend: Backend, peer: str, remote_slot_addr: Callable[[int], int], remote_slots: int,
-               remote_device: int, deadline: float, slot_bytes: int | None = None) -> None:
+               remote_device: int, deadline: float, slot_bytes: int | None = None, *,
+               clock: Clock | None = None) -> None:
     """Producer side of a WRITE: pack, write each piece into a consumer slot it holds a credit
-    for (notification ``DATA``), and return once the consumer has freed every piece."""
+    for (notification ``DATA``), and return once the consumer has freed every piece.
+    ``deadline`` is on ``clock`` (``MonotonicClock`` by default)."""
+    clock = clock or MonotonicClock()
     gpu = _Gpu(kernel)
     pieces = split_pieces(pack, slot_bytes or area.slot_bytes)
     free = collections.deque(range(area.slots))
@@ -428,13 +439,15 @@ def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
             credits.append(msg.slot)
             freed += 1
         gpu.reap()
-        _check_deadline(deadline, f"pushing piece {freed} of {len(pieces)}")
+        _check_deadline(clock, deadline, f"pushing piece {freed} of {len(pieces)}")
 
 
 def receive_write(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
-                  deadline: float, slot_bytes: int | None = None) -> None:
+                  deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None) -> None:
     """Consumer side of a WRITE: unpack each piece as its ``DATA`` arrives, return its credit.
-    Returns once every piece is unpacked."""
+    Returns once every piece is unpacked. ``deadline`` is on ``clock`` (``MonotonicClock`` by
+    default)."""
+    clock = clock or MonotonicClock()
     gpu = _Gpu(kernel)
     pieces = split_pieces(unpack, slot_bytes or area.slot_bytes)
     unpacking: list[tuple[PipeMessage, Any]] = []
@@ -448,5 +461,5 @@ def receive_write(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKer
             link.send(PipeMessage(FREE, tag, msg.piece, msg.slot).encode())
             done += 1
         gpu.reap()
-        _check_deadline(deadline, f"receiving piece {done} of {len(pieces)}")
+        _check_deadline(clock, deadline, f"receiving piece {done} of {len(pieces)}")
     gpu.stream.synchronize()

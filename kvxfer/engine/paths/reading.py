@@ -24,7 +24,6 @@ import logging
 import math
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +81,8 @@ class ReadRoute:
     requests: list = field(default_factory=list)  # layout RequestPlans: a list of chunks per link
     chunked: bool = False  # some link's request moves in several chunks (host staging smaller than it)
 
+    packs: list = field(default_factory=list)  # staged: the PackRequests sent, awaiting their answers
+
     def start(self, kit: PathKit, view: CacheView, timeout: float | None, ask_timeout: float) -> list[Part]:
         """Start the transfer; returns one engine Part per producer rank.
 
@@ -95,15 +96,42 @@ class ReadRoute:
                     for link, chunks in zip(self.links, self.requests) for chunk in chunks]
         if self.mode == "ipc":
             return self._start_ipc(kit, view)
+        self.send_packs(kit, view, timeout, ask_timeout)  # nothing to send if they went with the claim
+        packs, self.packs = self.packs, []
         parts: list[Part] = []
         try:
-            for link in self.links:
-                parts.append(self._start_staged(kit, view, link, timeout, ask_timeout))
+            for pack in packs:
+                parts.append(self._start_staged(kit, pack, timeout))
         except BaseException:
+            for pack in packs[len(parts) + 1:]:  # the failing one closed its own pipe
+                _drop(kit, pack)
             for part in parts:
                 part.job.cancel()
             raise
         return parts
+
+    def send_packs(self, kit: PathKit, view: CacheView, timeout: float | None, ask_timeout: float) -> None:
+        """Staged path: send every producer rank its ``PackRequest`` now, without waiting.
+
+        ``Agent.read`` sends them right behind the claim, on the same session: the producer
+        handles a session's requests in order, so it checks the claim first (a pack for a request
+        not claimed is refused), and the two round trips overlap. ``start`` collects the answers;
+        ``drop_packs`` gives them up."""
+        if self.mode != "staged" or self.packs:
+            return
+        try:
+            for link in self.links:
+                self.packs.append(self._send_pack(kit, view, link, timeout, ask_timeout))
+        except BaseException:
+            self.drop_packs(kit)
+            raise
+
+    def drop_packs(self, kit: PathKit) -> None:
+        """Give up the packs sent and not started (the claim failed, or the read ends early).
+        A producer that accepted one stops serving it when the request's hold ends."""
+        packs, self.packs = self.packs, []
+        for pack in packs:
+            _drop(kit, pack)
 
     def _start_ipc(self, kit: PathKit, view: CacheView) -> list[Part]:
         parts = []
@@ -115,8 +143,8 @@ class ReadRoute:
                               job=IpcJob(launches, event, copy.nbytes, 1)))
         return parts
 
-    def _start_staged(self, kit: PathKit, view: CacheView, link, timeout: float | None,
-                      ask_timeout: float) -> Part:
+    def _send_pack(self, kit: PathKit, view: CacheView, link, timeout: float | None,
+                   ask_timeout: float) -> "_SentPack":
         staging = link.info.staging
         unpack = unpack_pairs(link.spec, self.remote, view.spec, view.geometry, self.local, 0)
         piece = min(kit.area.slot_bytes, staging.slot_bytes)
@@ -125,8 +153,18 @@ class ReadRoute:
         start, stop = shared_heads(link.spec, view.spec)
         seconds = timeout if timeout is not None else 0.0
         try:
-            reply = link.ask(PackRequest(self.request_id, self.remote.tolist(), start, stop,
-                                         self.local.tolist(), tag, piece, seconds), ask_timeout)
+            pending = link.send(PackRequest(self.request_id, self.remote.tolist(), start, stop,
+                                            self.local.tolist(), tag, piece, seconds), ask_timeout)
+        except BaseException:
+            kit.router.close(pipe)
+            raise
+        return _SentPack(link, pending, pipe, unpack, piece, tag)
+
+    def _start_staged(self, kit: PathKit, pack: "_SentPack", timeout: float | None) -> Part:
+        link, pipe, unpack, piece, tag = pack.link, pack.pipe, pack.unpack, pack.piece, pack.tag
+        staging = link.info.staging
+        try:
+            reply = pack.pending.answer()
             if isinstance(reply, Refuse):
                 raise TransferFailedError(f"producer {link.engine_id} refused the staged read of "
                                           f"{self.request_id!r}: {reply.reason}")
@@ -136,7 +174,7 @@ class ReadRoute:
         except BaseException:
             kit.router.close(pipe)
             raise
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        deadline = kit.clock.now() + (timeout if timeout is not None else 1e9)
         count = kit.slots_per_transfer(len(self.links))
         held: list = []
 
@@ -146,7 +184,7 @@ class ReadRoute:
             try:
                 fetch_read(tag, unpack, slots, kit.kernel, pipe, kit.backend, link.agent_name,
                            lambda s: staging.addr + s * staging.slot_bytes, staging.device, deadline, piece,
-                           remote_kind=MemKind(staging.mem_kind))
+                           remote_kind=MemKind(staging.mem_kind), clock=kit.clock)
             except SlotsQuarantined:
                 log.warning("staged read of %r: staging slots quarantined (a move into them did not end)",
                             self.request_id)
@@ -161,6 +199,23 @@ class ReadRoute:
         job = PipelineJob(f"kvxfer-fetch-{self.request_id}", body, pipe, cleanup, unpack.nbytes,
                           -(-unpack.nbytes // piece))
         return Part(link.agent_name, None, link.view.geometry.kind, self.note, job=job)
+
+
+@dataclass
+class _SentPack:
+    """A staged read's ``PackRequest`` to one producer rank, sent and not yet answered."""
+
+    link: object
+    pending: object
+    pipe: object
+    unpack: object
+    piece: int
+    tag: int
+
+
+def _drop(kit: PathKit, pack: _SentPack) -> None:
+    pack.pending.cancel()
+    kit.router.close(pack.pipe)
 
 
 def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local: np.ndarray,
