@@ -12,7 +12,12 @@ fragmented block ids for every request (as in serving: no two requests share ids
   pays per request), against ``torch`` copying the same bytes contiguously on the same GPU;
 * ``kernel``: the gather kernel alone (CUDA events around it) and its GB/s.
 
-Run:  python3 benchmarks/ipc_launch.py [--tokens 512,2048,8192] [--reads 50] [--json PATH]
+``--beside agent`` measures the same with an idle kvxfer ``Agent`` (its progress thread, a
+listening side channel) in the process, as in a serving engine; ``--beside thread`` with a plain
+Python thread that wakes every millisecond for ~50 us of work (what any such thread costs the
+launch, through the GIL).
+
+Run:  python3 benchmarks/ipc_launch.py [--tokens 512,2048,8192] [--reads 50] [--beside none|agent|thread] [--json PATH]
 """
 
 import argparse
@@ -116,15 +121,48 @@ def measure(tokens: int, reads: int, kernel: PairKernel, sync_kernel: PairKernel
     return row
 
 
+def _beside(what: str):
+    """Start what runs beside the measurements; returns a function that stops it (or None)."""
+    import threading
+
+    if what == "agent":
+        from kvxfer import Agent, AgentConfig, KVSpec as Spec
+
+        spec = Spec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=64, dtype="float16")
+        agent = Agent("beside", spec, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=0))
+        agent.register([np.zeros(s, dtype=np.float16) for s in spec.tensor_shapes()])
+        agent.listen()
+        agent.hold("idle", [1, 2])  # a held request: the progress loop polls every millisecond
+        return agent.close
+    if what == "thread":
+        stop = threading.Event()
+
+        def work() -> None:
+            while not stop.wait(0.001):
+                end = time.perf_counter() + 50e-6
+                while time.perf_counter() < end:
+                    pass
+
+        threading.Thread(target=work, daemon=True).start()
+        return stop.set
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--reads", type=int, default=50)
     ap.add_argument("--json")
+    ap.add_argument("--beside", choices=("none", "agent", "thread"), default="none")
     args = ap.parse_args()
     torch.cuda.set_device(0)
+    beside = _beside(args.beside)
     kernel, sync_kernel = PairKernel(0), SyncIdsKernel(0)
     rows = [measure(int(t), args.reads, kernel, sync_kernel) for t in args.tokens.split(",")]
+    for row in rows:
+        row["beside"] = args.beside
+    if beside is not None:
+        beside()
     keys = [k for k in rows[0] if k != "tokens"]
     print("tokens | " + " | ".join(keys))
     for row in rows:
