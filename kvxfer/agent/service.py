@@ -13,6 +13,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from kvxfer.errors import KvxferError
+from kvxfer.transport.sessions import LogLimiter
 from kvxfer.layout import expected_notifications
 from kvxfer.protocol import (
     Abort, Ack, Claim, Done, Grant, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse, ServerSession,
@@ -33,6 +34,8 @@ class ProducerService:
         self._agent = agent
         self._granted: dict[str, set[str]] = {}   # consumer engine id -> request ids granted to it
         self._lock = threading.Lock()
+        # Refusals are a peer's to cause at will: one INFO line per kind per 10 s, with a count.
+        self._refusals = LogLimiter(log, level=logging.INFO, prefix="producer")
 
     def pinned(self, session: ServerSession) -> bool:
         """Whether ``session``'s consumer has claims in flight here: a request granted to it is
@@ -85,7 +88,8 @@ class ProducerService:
             result = leases.claim(message.request_id, message.engine_id, message.block_ids, expected,
                                   window=message.window)
             if not result.granted:
-                log.info("refused claim of %r by %s: %s", message.request_id, message.engine_id, result.reason)
+                self._refusals.event("claim", f"refused claim of {message.request_id!r} by "
+                                              f"{message.engine_id}: {result.reason}")
                 return Refuse(message.request_id, result.reason)
             self._note_grant(message.engine_id, message.request_id)
             return Grant(message.request_id, result.lease_remaining)
@@ -94,8 +98,8 @@ class ProducerService:
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
             if not leases.may_act(message.request_id, message.engine_id):  # the hold names other engines
-                log.info("refused abort of %r by %s: held for other consumer engines", message.request_id,
-                         message.engine_id)
+                self._refusals.event("abort", f"refused abort of {message.request_id!r} by "
+                                              f"{message.engine_id}: held for other consumer engines")
                 return Refuse(message.request_id, f"request {message.request_id!r} is held for other consumer "
                                                   f"engines, not {message.engine_id!r}")
             return Ack(released=leases.release(message.request_id, "aborted", consumer=message.engine_id))

@@ -148,14 +148,18 @@ class LogLimiter:
     """One log line per reason per ``interval`` seconds; the next line says how many were held back.
 
     Args:
-        logger: where lines go (at WARNING).
+        logger: where lines go.
         interval: seconds between two lines of one reason.
         clock: seconds, monotonic (tests pass their own).
+        level: the lines' level (WARNING: hostile input; INFO: refusals a peer may cause at will).
+        prefix: what every line starts with.
     """
 
     def __init__(self, logger: logging.Logger, interval: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, level: int = logging.WARNING,
+                 prefix: str = "side channel") -> None:
         self._log, self._interval, self._clock = logger, interval, clock
+        self._level, self._prefix = level, prefix
         self._next: dict[str, float] = {}
         self._held: Counter[str] = Counter()
         self.counts: Counter[str] = Counter()   # every event by reason, logged or not
@@ -172,4 +176,4 @@ class LogLimiter:
         held = self._held.pop(reason, 0)
         more = f" ({held} more since the last line of this reason)" if held else ""
         text = detail if len(detail) <= 200 else detail[:197] + "..."
-        self._log.warning("side channel: %s: %s%s", reason, text, more)
+        self._log.log(self._level, "%s: %s: %s%s", self._prefix, reason, text, more)
