@@ -74,14 +74,19 @@ def hf_config(policy: str = "fail", role: str = "kv_both", **extra: Any) -> str:
 
 @dataclass
 class HFServer(VllmServer):
-    """One ``kvxfer-hf serve`` process (``cpu_bind``: comma-separated cores; ``args``: extra CLI flags)."""
+    """One ``kvxfer-hf serve`` process (``cpu_bind``: comma-separated cores; ``args``: extra CLI flags).
+
+    ``launcher`` is how it is started: ``python -m kvxfer_transformers`` by default;
+    ``HFScriptServer`` runs the installed ``kvxfer-hf`` console script itself."""
+
+    launcher = (sys.executable, "-m", "kvxfer_transformers")  # a class attribute, not a field
 
     def start(self) -> "HFServer":
         if not self.port:
             self.port = port_run(1)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.env)
         cores = {int(c) for c in self.cpu_bind.split(",") if c.strip()} & os.sched_getaffinity(0)
-        cmd = [sys.executable, "-m", "kvxfer_transformers", "serve", str(self.model), "--host", "127.0.0.1",
+        cmd = [*self.launcher, "serve", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), "--served-model-name", SERVED_NAME, "--threads", "1", "--max-model-len", "2048",
                "--log-level", "warning", *self.args]
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -92,3 +97,9 @@ class HFServer(VllmServer):
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self
+
+
+class HFScriptServer(HFServer):
+    """An ``HFServer`` started through the ``kvxfer-hf`` console script the package installs."""
+
+    launcher = (str(Path(sys.executable).with_name("kvxfer-hf")),)
