@@ -84,7 +84,8 @@ class AgentConfig:
         transfer_timeout: default deadline for one transfer (``None``: wait for ever).
         staging_bytes: host staging buffer registered for staged (converting) transfers.
         progress_interval: seconds the progress thread sleeps between polls while transfers are
-            in flight; 0 (default) spins, since UCX moves shared-memory data inside the polls.
+            in flight (env ``KVXFER_PROGRESS_INTERVAL``, in [0, 1]); 0 (default) spins, since UCX
+            moves shared-memory data inside the polls.
         max_message_bytes: largest side-channel frame accepted.
         transfer_path: how reads move data (env ``KVXFER_TRANSFER_PATH``): ``auto`` (default:
             same-host CUDA IPC when the peer's cache maps here, else the staged pipeline with
@@ -152,6 +153,9 @@ class AgentConfig:
                               f"got {self.pipeline_slot_bytes!r}")
         if not isinstance(self.pipeline_slots, int) or not 1 <= self.pipeline_slots <= 4096:
             raise ConfigError(f"pipeline_slots must be an integer in [1, 4096]; got {self.pipeline_slots!r}")
+        pi = self.progress_interval
+        if isinstance(pi, bool) or not isinstance(pi, (int, float)) or not 0 <= pi <= 1:
+            raise ConfigError(f"progress_interval must be a number of seconds in [0, 1]; got {pi!r}")
         if not isinstance(self.nixl_progress_thread, bool):
             raise ConfigError(f"nixl_progress_thread must be True or False; got {self.nixl_progress_thread!r}")
         if self.metrics_port is not None and (isinstance(self.metrics_port, bool)
@@ -190,6 +194,15 @@ class AgentConfig:
             if flag not in ("0", "1", "true", "false", "on", "off"):
                 raise ConfigError(f"KVXFER_NIXL_PROGRESS_THREAD must be 0 or 1; got {thread!r}")
             values["nixl_progress_thread"] = flag in ("1", "true", "on")
+        interval = os.environ.get("KVXFER_PROGRESS_INTERVAL")
+        if interval and interval.strip():
+            try:
+                seconds = float(interval)
+            except ValueError:
+                seconds = -1.0
+            if not 0 <= seconds <= 1:
+                raise ConfigError(f"KVXFER_PROGRESS_INTERVAL must be a number of seconds in [0, 1]; got {interval!r}")
+            values["progress_interval"] = seconds
         metrics = os.environ.get("KVXFER_METRICS_PORT")
         if metrics and metrics.strip():
             try:

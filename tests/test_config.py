@@ -71,3 +71,23 @@ def test_express_port_env_junk_names_the_variable(monkeypatch, raw):
 def test_express_port_field_is_checked(bad):
     with pytest.raises(ConfigError, match="express_port must be an integer in \\[0, 65535\\] or None"):
         AgentConfig(express_port=bad)
+
+
+@pytest.mark.parametrize("raw,want", [("0", 0.0), (" 0.0001 ", 0.0001), ("1", 1.0)])
+def test_progress_interval_from_env(monkeypatch, raw, want):
+    monkeypatch.setenv("KVXFER_PROGRESS_INTERVAL", raw)
+    assert AgentConfig.from_env().progress_interval == want
+    assert AgentConfig.from_env(progress_interval=0.5).progress_interval == 0.5  # an explicit value wins
+
+
+@pytest.mark.parametrize("raw", ["fast", "-0.1", "2", "nan"])
+def test_progress_interval_env_junk_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("KVXFER_PROGRESS_INTERVAL", raw)
+    with pytest.raises(ConfigError, match=f"KVXFER_PROGRESS_INTERVAL must be a number of seconds in \\[0, 1\\]; got '{raw}'"):
+        AgentConfig.from_env()
+
+
+@pytest.mark.parametrize("bad", [-0.001, 1.5, True, "0.001", None])
+def test_progress_interval_field_is_checked(bad):
+    with pytest.raises(ConfigError, match="progress_interval must be a number of seconds in \\[0, 1\\]"):
+        AgentConfig(progress_interval=bad)
