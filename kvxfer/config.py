@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvxfer.errors import ConfigError
+from kvxfer.types import TransferPath
 
 __all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "TRANSFER_PATHS", "parse_flag", "parse_seconds"]
 
@@ -123,7 +124,7 @@ class AgentConfig:
     staging_bytes: int = 64 << 20
     progress_interval: float = 0.0
     max_message_bytes: int = 4 << 20
-    transfer_path: str = "auto"
+    transfer_path: str | TransferPath = "auto"
     pipeline_slot_bytes: int = 16 << 20
     pipeline_slots: int = 8
     nixl_progress_thread: bool = True
@@ -144,9 +145,10 @@ class AgentConfig:
             raise ConfigError(f"transfer_timeout must be positive or None; got {self.transfer_timeout!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
             raise ConfigError(f"staging_bytes must be a non-negative integer; got {self.staging_bytes!r}")
-        if self.transfer_path not in TRANSFER_PATHS:
+        if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:
             raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "
                               f"got {self.transfer_path!r}")
+        object.__setattr__(self, "transfer_path", TransferPath(self.transfer_path))  # equal to its string
         if (not isinstance(self.pipeline_slot_bytes, int) or self.pipeline_slot_bytes <= 0
                 or self.pipeline_slot_bytes % 256):
             raise ConfigError(f"pipeline_slot_bytes must be a positive multiple of 256; "

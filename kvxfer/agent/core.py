@@ -46,7 +46,7 @@ from kvxfer.protocol import (
 from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
 from kvxfer.transport.zmq import ZmqTransport
-from kvxfer.types import AbortOutcome, Direction, MemKind
+from kvxfer.types import AbortOutcome, Direction, MemKind, TransferPath
 
 __all__ = ["Agent", "Finished"]
 
@@ -251,12 +251,12 @@ class Agent:
                                         window=self._time_left(deadline, request_id, cap=None),
                                         timeout=self._time_left(deadline, request_id))
                 try:
-                    if route.mode == "ipc":
+                    if route.mode is TransferPath.IPC:
                         # Launch while the claim travels, so its round trip overlaps the kernel. The
                         # kernel only reads the producer's (mapped) cache; if the claim is refused,
                         # the read fails and only this request's own destination blocks were written.
                         parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
-                    elif route.mode == "staged":
+                    elif route.mode is TransferPath.STAGED:
                         # The pack request rides right behind the claim on the same session: the
                         # producer checks the claim first, and the two round trips overlap.
                         route.send_packs(self._kit, view, timeout, self._time_left(deadline, request_id))
@@ -291,7 +291,7 @@ class Agent:
                     part.on_done = partial(self._done.send, link, request_id)
             handle = self._engine.submit(request_id, Direction.READ, parts, deadline=deadline, blocks=local,
                                          on_success=on_success,
-                                         mode=None if route.mode == "direct" else route.mode,
+                                         mode=None if route.mode is TransferPath.DIRECT else route.mode,
                                          setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
         except KvxferError:
             _cancel_jobs(parts)

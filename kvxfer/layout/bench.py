@@ -49,12 +49,12 @@ def time_for_request(local: KVSpec, remote: KVSpec, num_blocks: int = 512, *,
         plan.for_request(lb, rb)
         samples.append(time.perf_counter_ns() - t)
     map_us = None
-    if plan.mode == "staged":
+    if plan.mode == "host-staged":
         t = time.perf_counter_ns()
         req.unpack_map          # built lazily on first use; what a GPU unpack would upload
         map_us = (time.perf_counter_ns() - t) / 1e3
     return {
-        "mode": plan.mode,
+        "mode": str(plan.mode),
         "unpack_map_us": map_us,
         "us_median": float(np.median(samples)) / 1e3,
         "us_min": min(samples) / 1e3,

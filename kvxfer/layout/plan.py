@@ -24,6 +24,7 @@ from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, merge
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.layout.template import PieceTemplate, UnpackTemplate, direct_template, staged_template
 from kvxfer.layout.tp import head_range
+from kvxfer.types import TransferPath
 
 __all__ = ["CacheView", "TransferPlan", "build_plan", "check_compatible", "head_overlap"]
 
@@ -127,13 +128,14 @@ def _span(off: np.ndarray, length: np.ndarray, per_unit: int, block_bytes: int, 
 class TransferPlan:
     """Byte-range correspondence between a local and a remote rank's caches; built once per peer.
 
-    Attributes: ``mode`` ("direct" | "staged"), ``local``, ``remote`` (CacheViews), ``heads``
+    Attributes: ``mode`` (``TransferPath.DIRECT`` or ``TransferPath.HOST_STAGED``: remote pieces
+    land in a host staging buffer and are unpacked; equal to "direct" / "host-staged"), ``local``, ``remote`` (CacheViews), ``heads``
     (global head range moved), ``pieces_per_block`` (descriptors per region and local block
     before coalescing), ``over_read`` (staged pieces include unneeded remote vectors; then the
     plan cannot be reversed for a WRITE), ``reversible``, ``group`` (regions per group).
     """
 
-    def __init__(self, local: CacheView, remote: CacheView, heads: tuple[int, int], mode: str,
+    def __init__(self, local: CacheView, remote: CacheView, heads: tuple[int, int], mode: TransferPath,
                  pieces: PieceTemplate, unpack: UnpackTemplate | None, over_read: bool) -> None:
         self.local, self.remote, self.heads, self.mode = local, remote, heads, mode
         self.pieces, self.unpack, self.over_read = pieces, unpack, over_read
@@ -148,7 +150,7 @@ class TransferPlan:
         self._unit = max(ls.block_size, rs.block_size)
         self._l_per_unit, self._r_per_unit = self._unit // ls.block_size, self._unit // rs.block_size
         self.pieces_per_block = -(-pieces.count // self._l_per_unit)
-        sides = [(remote, rs.block_bytes)] + ([(local, ls.block_bytes)] if mode == "direct" else [])
+        sides = [(remote, rs.block_bytes)] + ([(local, ls.block_bytes)] if mode is TransferPath.DIRECT else [])
         self.group = _group_size(sides)
         n_regions = ls.num_layers * ls.kv_count
         self._gbase_l = local.geometry.bases.reshape(n_regions // self.group, 1, self.group, 1)
@@ -158,10 +160,10 @@ class TransferPlan:
         # join runs of consecutive block ids when a span fills the block stride.
         span_r = _span(pieces.r_off, pieces.length, self._r_per_unit, rs.block_bytes, self.group)
         span_l = (_span(pieces.l_off, pieces.length, self._l_per_unit, ls.block_bytes, self.group)
-                  if mode == "direct" else span_r)
+                  if mode is TransferPath.DIRECT else span_r)
         self._span = span_r if span_r is not None and span_l is not None else None
         self._join = self._span is not None and self.group * self._span == rs.block_stride and (
-            mode == "staged" or self.group * self._span == ls.block_stride)
+            mode is TransferPath.HOST_STAGED or self.group * self._span == ls.block_stride)
 
     def __repr__(self) -> str:
         return (f"TransferPlan(mode={self.mode!r}, heads={self.heads}, local={_describe(self.local.spec)}, "
@@ -190,14 +192,14 @@ class TransferPlan:
             return self._span_request(lb, rb)
         lb = lb.reshape(-1, self._l_per_unit).astype(_U64)
         rb = rb.reshape(-1, self._r_per_unit).astype(_U64)
-        return self._direct_request(lb, rb) if self.mode == "direct" else self._staged_request(lb, rb)
+        return self._direct_request(lb, rb) if self.mode is TransferPath.DIRECT else self._staged_request(lb, rb)
 
     def _span_request(self, lb: np.ndarray, rb: np.ndarray) -> RequestPlan:
         """Fast path (see ``__init__``): one row per (group, run of units); ``lb`` and ``rb`` 1-D.
 
         Writes straight into the output tables: fresh large temporaries cost page faults.
         """
-        p, direct = self.pieces, self.mode == "direct"
+        p, direct = self.pieces, self.mode is TransferPath.DIRECT
         n_units, span = rb.size, _U64(self.group * self._span)
         if self._join and n_units > 1:
             cont = rb[1:] == rb[:-1] + 1
@@ -310,9 +312,11 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
     (direct plans, and staged plans with ``reversible``; pack with ``RequestPlan.pack_numpy``).
 
     ``mode="auto"`` picks "direct" unless the layouts cut a block into pieces smaller than
-    both ``min_direct_bytes`` and one block's moved bytes; then "staged" (remote pieces in
+    both ``min_direct_bytes`` and one block's moved bytes; then "host-staged" (remote pieces in
     the remote's native order land in a staging buffer, a local unpack permutes them), or a
-    LayoutError when ``allow_conversion`` is false. ``mode="direct"``/``"staged"`` force a mode.
+    LayoutError when ``allow_conversion`` is false. ``mode="direct"``/``"host-staged"`` force a
+    mode (``"staged"``, the name before, is taken as ``"host-staged"``). The plan's ``mode`` is a
+    ``TransferPath`` member.
 
     Raises:
         LayoutError: model, dtype, head_dim, num_layers, num_kv_heads or mla differ (names
@@ -322,13 +326,14 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
     for name, view in (("local", local), ("remote", remote)):
         if not isinstance(view, CacheView):
             raise LayoutError(f"{name} must be a CacheView; got {type(view).__name__}")
-    if mode not in ("auto", "direct", "staged"):
-        raise LayoutError(f"mode must be 'auto', 'direct' or 'staged'; got {mode!r}")
+    if mode not in ("auto", "direct", "host-staged", "staged"):
+        raise LayoutError(f"mode must be 'auto', 'direct' or 'host-staged'; got {mode!r}")
+    mode = "host-staged" if mode == "staged" else str(mode)
     if not isinstance(min_direct_bytes, int) or min_direct_bytes < 0:
         raise LayoutError(f"min_direct_bytes must be a non-negative integer; got {min_direct_bytes!r}")
     ls, rs = local.spec, remote.spec
     heads = _check_pair(ls, rs)
-    if mode != "staged" and _whole_head_packed_rows(ls, rs):
+    if mode != "host-staged" and _whole_head_packed_rows(ls, rs):
         local, remote = _as_packed(local), _as_packed(remote)
         ls, rs = local.spec, remote.spec
     direct = direct_template(ls, rs, heads)
@@ -341,6 +346,6 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
             f"(< min_direct_bytes {min_direct_bytes}); allow conversion to stage and unpack"
         )
     if mode == "direct" or (mode == "auto" and not fragmented):
-        return TransferPlan(local, remote, heads, "direct", direct, None, False)
+        return TransferPlan(local, remote, heads, TransferPath.DIRECT, direct, None, False)
     pieces, unpack, over_read = staged_template(ls, rs, heads, min_direct_bytes)
-    return TransferPlan(local, remote, heads, "staged", pieces, unpack, over_read)
+    return TransferPlan(local, remote, heads, TransferPath.HOST_STAGED, pieces, unpack, over_read)

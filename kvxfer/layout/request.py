@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError
+from kvxfer.types import TransferPath
 
 __all__ = ["RequestPlan", "UnpackMap", "check_block_ids", "merge_rows"]
 
@@ -143,8 +144,8 @@ class RequestPlan:
     _maps: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
-    def mode(self) -> str:
-        return "direct" if self.build_maps is None else "staged"
+    def mode(self) -> TransferPath:
+        return TransferPath.DIRECT if self.build_maps is None else TransferPath.HOST_STAGED
 
     def _map(self, side: str) -> UnpackMap:
         if self.build_maps is None:

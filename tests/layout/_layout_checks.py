@@ -48,7 +48,7 @@ def rows_mask(rows: np.ndarray, arena: Arena) -> np.ndarray:
 
 def check_staged_map(plan: TransferPlan, req: RequestPlan) -> None:
     """Staging is tiled exactly by the local rows; unpack targets are distinct per region."""
-    if plan.mode != "staged":
+    if plan.mode != "host-staged":
         return
     offs = req.local[:, 0].astype(np.int64)
     ends = np.cumsum(req.local[:, 1].astype(np.int64))

@@ -73,7 +73,7 @@ def test_tp8_to_tp8_every_rank_moves_its_own_head():
 def test_hnd_prefill_to_nhd_decode_is_staged_whole_remote_blocks():
     """HND -> NHD cuts blocks into single vectors: staged, one remote descriptor per block run."""
     plan, req = run(spec(layout="NHD"), spec(layout="HND"), [7, 2, 3], [4, 5, 6])
-    assert plan.mode == "staged" and not plan.over_read and plan.reversible
+    assert plan.mode == "host-staged" and not plan.over_read and plan.reversible
     assert req.staging_bytes == req.num_bytes == L * K * 3 * BB
     assert req.remote.shape[0] == L * K      # remote ids 4,5,6 are one run per region
     assert len(req.unpack_index()) == L * K
@@ -122,7 +122,7 @@ def test_decode_tp_above_prefill_tp_reads_head_slices(layout):
         if layout == "HND":      # a head slice of an HND block is contiguous
             assert plan.mode == "direct" and set(req.local[:, 1].tolist()) == {BB // 2}
         else:                    # NHD interleaves heads per token: over-read whole blocks
-            assert plan.mode == "staged" and plan.over_read and not plan.reversible
+            assert plan.mode == "host-staged" and plan.over_read and not plan.reversible
     assert expected_notifications(spec(layout=layout), 2) == 2
 
 
@@ -185,13 +185,13 @@ def test_write_direction_uses_the_same_plan():
                     direction=Direction.WRITE)
     assert plan.heads == (4, 8) and plan.mode == "direct"
     plan, req = run(spec(layout="HND"), spec(layout="NHD"), [3, 4], [6, 0], direction=Direction.WRITE)
-    assert plan.mode == "staged" and plan.reversible
+    assert plan.mode == "host-staged" and plan.reversible
 
 
 def test_empty_request_moves_nothing():
     s = spec()
     lview, _ = place_cache(s)
-    for mode in ("direct", "staged"):
+    for mode in ("direct", "host-staged"):
         req = build_plan(lview, lview, mode=mode).for_request([], [])
         assert req.local.shape == (0, 3) and req.num_bytes == 0 and req.staging_bytes == 0
 
@@ -203,7 +203,7 @@ def test_staged_write_refused_when_plan_over_reads():
     pview, parena = place_cache(spec(layout="HND", tp_size=2, tp_rank=1))
     cview, carena = place_cache(spec(layout="NHD"), arena_base=0x4000_0000)
     plan = build_plan(pview, cview)   # prefill rank 1 pushes heads 4..7 into NHD blocks of 8 heads
-    assert plan.mode == "staged" and plan.over_read and not plan.reversible
+    assert plan.mode == "host-staged" and plan.over_read and not plan.reversible
     req = plan.for_request([1, 2], [3, 4])
     with pytest.raises(LayoutError, match="staged WRITE not supported"):
         run_plan(plan, req, parena, carena, Direction.WRITE)
@@ -223,7 +223,7 @@ def test_real_addresses_of_numpy_buffers():
     (lview, larena), (rview, rarena) = views
     plan = build_plan(lview, rview)
     req = plan.for_request([9, 3], [0, 1])
-    assert plan.mode == "staged" and req.remote[:, 0].min() >= rarena.base
+    assert plan.mode == "host-staged" and req.remote[:, 0].min() >= rarena.base
     execute(plan, req, larena, rarena)
     got = logical_kv(lview, larena, [9, 3])[:, :, :, 4:8]
     assert np.array_equal(got, logical_kv(rview, rarena, [0, 1]))

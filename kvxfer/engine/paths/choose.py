@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvxfer.errors import ConfigError
+from kvxfer.types import TransferPath
 
 __all__ = ["MANY_DESCRIPTORS", "SHORT_DESCRIPTOR", "PathFacts", "choose_path"]
 
@@ -42,27 +43,29 @@ def _many_short(facts: PathFacts) -> bool:
     return facts.descriptors > 0 and facts.num_bytes / facts.descriptors < SHORT_DESCRIPTOR
 
 
-def choose_path(configured: str, facts: PathFacts) -> str:
-    """``"ipc"``, ``"staged"`` or ``"direct"`` for one request.
+def choose_path(configured: str, facts: PathFacts) -> TransferPath:
+    """``TransferPath.IPC``, ``STAGED`` or ``DIRECT`` for one request.
 
     Raises:
         ConfigError: ``configured`` names a path this request cannot take (the message says
             why), or no path can take it.
     """
-    if configured in ("ipc", "staged", "direct"):
-        why = {"ipc": facts.ipc_why, "staged": facts.staged_why, "direct": facts.direct_why}[configured]
+    forced = {"ipc": (TransferPath.IPC, facts.ipc_why), "staged": (TransferPath.STAGED, facts.staged_why),
+              "direct": (TransferPath.DIRECT, facts.direct_why)}
+    if configured in forced:
+        path, why = forced[configured]
         if why is not None:
-            raise ConfigError(f"transfer_path={configured!r} cannot move this request: {why}")
-        return configured
+            raise ConfigError(f"transfer_path={str(configured)!r} cannot move this request: {why}")
+        return path
     if configured != "auto":
         raise ConfigError(f"transfer_path must be one of auto, ipc, staged, direct; got {configured!r}")
     if facts.ipc_why is None:
-        return "ipc"
+        return TransferPath.IPC
     if facts.staged_why is None and facts.local_vram and _many_short(facts):
-        return "staged"
+        return TransferPath.STAGED
     if facts.direct_why is None:
-        return "direct"
+        return TransferPath.DIRECT
     if facts.staged_why is None:
-        return "staged"
+        return TransferPath.STAGED
     raise ConfigError(f"no transfer path can move this request: ipc: {facts.ipc_why}; "
                       f"staged: {facts.staged_why}; direct: {facts.direct_why}")

@@ -37,7 +37,7 @@ from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import PackReady, Refuse
 from kvxfer.protocol.messages import PackRequest
-from kvxfer.types import MemKind
+from kvxfer.types import MemKind, TransferPath
 
 from kvxfer.engine.paths.kit import PathKit
 from kvxfer.engine.paths.jobs import IpcJob, PipelineJob
@@ -70,9 +70,10 @@ def shared_heads(producer, consumer) -> tuple[int, int]:
 
 @dataclass
 class ReadRoute:
-    """A chosen path and what ``start`` needs; ``mode`` is the path ("ipc", "staged", "direct")."""
+    """A chosen path and what ``start`` needs; ``mode`` is the path (``TransferPath.IPC``,
+    ``STAGED`` or ``DIRECT``)."""
 
-    mode: str
+    mode: TransferPath
     links: list
     local: np.ndarray
     remote: np.ndarray
@@ -88,13 +89,13 @@ class ReadRoute:
 
         Raises KvxferError when a producer refuses or a launch fails; parts already started
         are cancelled first."""
-        if self.mode == "direct":
+        if self.mode is TransferPath.DIRECT:
             # A chunked request carries no NIXL notification: the read's Done tells the producer
             # once every chunk landed (one chunk's notification would end the hold too early).
             note = b"" if self.chunked else self.note
             return [Part(link.agent_name, chunk, link.view.geometry.kind, note)
                     for link, chunks in zip(self.links, self.requests) for chunk in chunks]
-        if self.mode == "ipc":
+        if self.mode is TransferPath.IPC:
             return self._start_ipc(kit, view)
         self.send_packs(kit, view, timeout, ask_timeout)  # nothing to send if they went with the claim
         packs, self.packs = self.packs, []
@@ -117,7 +118,7 @@ class ReadRoute:
         handles a session's requests in order, so it checks the claim first (a pack for a request
         not claimed is refused), and the two round trips overlap. ``start`` collects the answers;
         ``drop_packs`` gives them up."""
-        if self.mode != "staged" or self.packs:
+        if self.mode is not TransferPath.STAGED or self.packs:
             return
         try:
             for link in self.links:
@@ -229,7 +230,7 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
         # The kernel reads block ids, not descriptors: check the ids and skip the descriptor tables.
         for link in links:
             _check_ids(view.spec, local, link.spec, remote)
-        return ReadRoute("ipc", links, local, remote, request_id, note)
+        return ReadRoute(TransferPath.IPC, links, local, remote, request_id, note)
     requests = [plan.for_request(local, remote) for plan in plans]
     descriptors = sum(int(r.local.shape[0]) for r in requests)
     num_bytes = sum(int(r.num_bytes) for r in requests)
