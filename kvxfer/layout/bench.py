@@ -89,13 +89,13 @@ CASES = [
 
 
 def main() -> None:
-    print(f"{'case':28} {'ids':7} {'mode':7} {'us/req':>8} {'descs':>7} {'pcs/blk':>7} {'MiB':>7} "
+    print(f"{'case':28} {'ids':7} {'mode':11} {'us/req':>8} {'descs':>7} {'pcs/blk':>7} {'MiB':>7} "
           f"{'map us':>7} {'build ms':>8}")
     for name, local, remote in CASES:
         for frag in (False, True):
             r = time_for_request(local, remote, fragmented=frag)
             m = "-" if r["unpack_map_us"] is None else f"{r['unpack_map_us']:.0f}"
-            print(f"{name:28} {'random' if frag else 'run':7} {r['mode']:7} {r['us_median']:8.1f} "
+            print(f"{name:28} {'random' if frag else 'run':7} {r['mode']:11} {r['us_median']:8.1f} "
                   f"{r['descriptors']:7d} {r['pieces_per_block']:7d} {r['bytes'] / 2**20:7.1f} {m:>7} "
                   f"{r['build_ms']:8.2f}")
 
