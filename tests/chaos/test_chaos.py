@@ -64,7 +64,7 @@ def _exact_or_typed(handle, timeout: float):
     try:
         return handle.wait(timeout + 5), None
     except KvxferError as exc:
-        assert time.monotonic() - started <= timeout + 0.5 + 1.0, "typed error came too late"
+        assert time.monotonic() - started <= timeout + 0.5, "typed error came too late"
         return None, exc
 
 
@@ -271,7 +271,8 @@ def test_dead_producer_fails_a_read_within_its_timeout():
                 started = time.monotonic()
                 with pytest.raises(KvxferError):
                     agent.read(prod.address, [7, 8], [3, 4], "b", timeout=2).wait(2)
-                assert time.monotonic() - started < 2.5 + 0.5, f"trial {trial}"
+                elapsed = time.monotonic() - started
+                assert elapsed < 2 + 0.5, f"trial {trial}: the read failed after {elapsed:.2f} s"
                 assert wait_until(lambda: idle(_stats(agent)), 3)
     finally:
         for prod in prods:
