@@ -30,7 +30,7 @@ import torch
 
 from kvxfer.bench.caches import fill_random, make_cache
 from kvxfer.gpu.ops import PairKernel
-from kvxfer.gpu.pairs import direct_pairs
+from kvxfer.layout.pairs import direct_pairs
 from kvxfer.layout.spec import KVSpec
 
 

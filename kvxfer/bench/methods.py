@@ -73,7 +73,7 @@ def nixl_per_block(w, requests, tokens, iters, warmup, options):
     """One descriptor per layer x K/V x block: what a per-layer connector posts."""
     import dataclasses  # noqa: PLC0415
 
-    from kvxfer.gpu.pairs import direct_pairs  # noqa: PLC0415 - pure numpy tables
+    from kvxfer.layout.pairs import direct_pairs  # noqa: PLC0415 - pure numpy tables
     from kvxfer.layout.spec import CacheGeometry  # noqa: PLC0415
 
     key = options.get("twin") or "native"
@@ -179,7 +179,7 @@ def _each(requests, fn) -> None:
 
 def staged(w, requests, tokens, iters, warmup, options, direction: str):
     """Consumer half of ``kvxfer-staged-read`` / ``-write``."""
-    from kvxfer.gpu.pairs import unpack_pairs  # noqa: PLC0415
+    from kvxfer.layout.pairs import unpack_pairs  # noqa: PLC0415
     from kvxfer.engine.paths.pipeline import fetch_read, receive_write  # noqa: PLC0415
 
     slot_bytes = options.get("piece_bytes") or w.area.slot_bytes
@@ -218,7 +218,7 @@ def staged(w, requests, tokens, iters, warmup, options, direction: str):
 
 def ipc(w, requests, tokens, iters, warmup, options):
     """Consumer half of ``kvxfer-ipc``: one pair-copy kernel per producer, reading through IPC."""
-    from kvxfer.gpu.pairs import direct_pairs  # noqa: PLC0415
+    from kvxfer.layout.pairs import direct_pairs  # noqa: PLC0415
 
     cp = w.kernel.cp
     with cp.cuda.Device(w.kernel.device):
@@ -338,7 +338,7 @@ def peer_copy(w, src_device, nbytes, iters, warmup):
 
 # ---- producer halves ------------------------------------------------------------------------
 def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
-    from kvxfer.gpu.pairs import pack_pairs  # noqa: PLC0415
+    from kvxfer.layout.pairs import pack_pairs  # noqa: PLC0415
     from kvxfer.engine.paths.pipeline import push_write, serve_read  # noqa: PLC0415
 
     slot_bytes = options.get("piece_bytes") or w.area.slot_bytes

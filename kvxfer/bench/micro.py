@@ -17,7 +17,7 @@ import numpy as np
 
 from kvxfer.bench.caches import fill_random, make_cache
 from kvxfer.gpu.ops import PairKernel
-from kvxfer.gpu.pairs import direct_pairs, pack_pairs
+from kvxfer.layout.pairs import direct_pairs, pack_pairs
 from kvxfer.layout.spec import KVSpec
 
 __all__ = ["main"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.gpu.pairs import PairCopy
+from kvxfer.layout.pairs import PairCopy
 
 __all__ = ["HostPairKernel"]
 

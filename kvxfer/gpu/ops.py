@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import ConfigError
-from kvxfer.gpu.pairs import PairCopy, Side
+from kvxfer.layout.pairs import PairCopy, Side
 
 __all__ = ["PairKernel", "Launch", "cupy_missing", "pair_copy_numpy", "vector_offsets"]
 

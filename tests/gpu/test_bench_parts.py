@@ -9,7 +9,7 @@ from kvxfer.bench.cli import config_from, parser
 from kvxfer.bench.report import add_ratios, table
 from kvxfer.bench.scenarios import PRESETS, SCENARIOS, block_ids, build_scenario
 from kvxfer.errors import ConfigError
-from kvxfer.gpu.pairs import pack_pairs
+from kvxfer.layout.pairs import pack_pairs
 from kvxfer.layout.spec import CacheGeometry
 
 

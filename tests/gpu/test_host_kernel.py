@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvxfer.gpu.host import HostPairKernel
-from kvxfer.gpu.pairs import direct_pairs, pack_pairs, unpack_pairs
+from kvxfer.layout.pairs import direct_pairs, pack_pairs, unpack_pairs
 
 from .oracle import expected_move
 from .test_pairs_cpu import CASES, _cache, _spec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.gpu.pairs import direct_pairs, pack_pairs, unpack_pairs
+from kvxfer.layout.pairs import direct_pairs, pack_pairs, unpack_pairs
 from kvxfer.layout.spec import KVSpec
 
 from .test_pairs_cpu import CASES

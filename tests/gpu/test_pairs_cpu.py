@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.gpu.ops import pair_copy_numpy
-from kvxfer.gpu.pairs import direct_pairs, pack_pairs, unpack_pairs
+from kvxfer.layout.pairs import direct_pairs, pack_pairs, unpack_pairs
 from kvxfer.layout.spec import CacheGeometry, KVSpec
 
 from .oracle import element_view, expected_move

@@ -18,7 +18,7 @@ from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.clock import ManualClock
 from kvxfer.errors import ProtocolError, TransferTimeoutError
 from kvxfer.gpu.ops import pair_copy_numpy
-from kvxfer.gpu.pairs import pack_pairs, unpack_pairs
+from kvxfer.layout.pairs import pack_pairs, unpack_pairs
 from kvxfer.engine.paths.pipeline import (DATA, PipeMessage, StagingArea, drain, fetch_read, push_write,
                                           receive_write, serve_read, split_pieces)
 from kvxfer.layout.spec import CacheGeometry, KVSpec

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvxfer.errors import LayoutError
 from kvxfer.gpu.ops import pair_copy_numpy
-from kvxfer.gpu.pairs import PairCopy, direct_pairs, overlap, pack_pairs, unpack_pairs
+from kvxfer.layout.pairs import PairCopy, direct_pairs, overlap, pack_pairs, unpack_pairs
 from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.spec import CacheGeometry, KVSpec
 

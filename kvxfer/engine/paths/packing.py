@@ -19,7 +19,7 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError, LeaseExpiredError, ProtocolError
 from kvxfer.engine.leases import LeaseTable
-from kvxfer.gpu.pairs import pack_pairs
+from kvxfer.layout.pairs import pack_pairs
 from kvxfer.engine.paths.pipeline import serve_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.request import check_block_ids

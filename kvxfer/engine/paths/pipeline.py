@@ -1,6 +1,6 @@
 """The staged GPU pipeline: pack -> move -> unpack in pieces, overlapped (layer: engine: only the engine posts to the backend; imports backend.base and gpu, never nixl/zmq; cupy lazily).
 
-A request's pairs (``kvxfer.gpu.pairs``, wire order) are cut into *pieces* that each fit one
+A request's pairs (``kvxfer.layout.pairs``, wire order) are cut into *pieces* that each fit one
 *slot* of a ``StagingArea`` (a device buffer allocated and registered once, then reused; its
 size bounds the staging memory whatever the request's size). The producer packs piece ``k``
 into a slot with one kernel; the piece crosses the link as ONE descriptor; the consumer
@@ -36,7 +36,7 @@ from kvxfer.backend.base import Backend, descs
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError, TransferTimeoutError
 from kvxfer.gpu.ops import PairKernel
-from kvxfer.gpu.pairs import PairCopy
+from kvxfer.layout.pairs import PairCopy
 from kvxfer.types import Direction, MemKind, Region, XferState
 
 __all__ = ["DRAIN_GRACE", "SlotsQuarantined", "drain", "Link", "PipeMessage", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",

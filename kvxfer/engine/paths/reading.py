@@ -30,7 +30,7 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
 from kvxfer.engine.transfers import Part
-from kvxfer.gpu.pairs import direct_pairs, unpack_pairs
+from kvxfer.layout.pairs import direct_pairs, unpack_pairs
 from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.plan import head_overlap

@@ -1,4 +1,4 @@
-"""Copy tables for the GPU path: which bytes go where, as strided block pairs (layer: gpu; pure numpy, no torch/cupy/nixl).
+"""Pair-copy tables for the kernels: which bytes go where, as strided block pairs (layer: layout; pure numpy, no torch/cupy/nixl).
 
 Every GPU move kvxfer makes (pack into staging, unpack out of it, the same-host single pass)
 is one *pair copy*: ``n`` pairs of addresses ``(src[i], dst[i])``, and for every pair the
