@@ -33,6 +33,7 @@ class ProducerService:
     def __init__(self, agent: "Agent") -> None:
         self._agent = agent
         self._granted: dict[str, set[str]] = {}   # consumer engine id -> request ids granted to it
+        self._expected: dict[int, int] = {}       # consumer TP size -> notifications a read brings
         self._lock = threading.Lock()
         # Refusals are a peer's to cause at will: one INFO line per kind per 10 s, with a count.
         self._refusals = LogLimiter(log, level=logging.INFO, prefix="producer")
@@ -81,10 +82,12 @@ class ProducerService:
         leases = self._agent._leases
         if isinstance(message, Claim):
             consumer_tp = peer.spec.tp_size if peer is not None else 1
-            try:
-                expected = expected_notifications(self._agent.spec, consumer_tp)
-            except KvxferError as exc:
-                return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
+            expected = self._expected.get(consumer_tp)
+            if expected is None:
+                try:
+                    expected = self._expected[consumer_tp] = expected_notifications(self._agent.spec, consumer_tp)
+                except KvxferError as exc:
+                    return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
             result = leases.claim(message.request_id, message.engine_id, message.block_ids, expected,
                                   window=message.window)
             if not result.granted:

@@ -37,6 +37,7 @@ class _Conn:
     opened: float = field(default_factory=time.monotonic)
     identity: bytes | None = None
     out: bytearray = field(default_factory=bytearray)
+    pollout: bool = False  # registered for POLLOUT (replies are waiting for room in the socket)
 
 
 class ExpressPort:
@@ -177,7 +178,6 @@ class ExpressPort:
         self._flush(fd, conn, poller)
 
     def _flush(self, fd: int, conn: _Conn, poller) -> None:
-        waiting = bool(conn.out)
         while conn.out:
             try:
                 sent = conn.sock.send(conn.out)
@@ -191,8 +191,9 @@ class ExpressPort:
             self._rejected("express-unread", "closed an express connection whose client stopped reading")
             self._drop(fd, poller)
             return
-        if waiting:
-            poller.modify(fd, POLLIN | POLLOUT) if conn.out else poller.modify(fd, POLLIN)
+        if bool(conn.out) != conn.pollout:  # the poller is told only when that changes
+            conn.pollout = bool(conn.out)
+            poller.modify(fd, POLLIN | POLLOUT if conn.pollout else POLLIN)
 
     def _drop(self, fd: int, poller) -> None:
         conn = self._conns.pop(fd, None)

@@ -164,10 +164,13 @@ class SideChannelServer:
                     for fd, flags in events:
                         if isinstance(fd, int) and express.owns(fd):
                             express.handle(fd, flags, poller)
-                if not events:
+                # Only the sockets the poll named: a request on an express lane wakes this
+                # thread without a ROUTER frame or a monitor event to read.
+                ready = {item for item, _ in events if not isinstance(item, int)}
+                if monitor in ready:  # disconnects first: a socket number may be reused next
+                    self._drain_disconnects(monitor)
+                if sock not in ready:
                     continue
-                # Disconnects first: a socket number may be reused by the next connection.
-                self._drain_disconnects(monitor)
                 while True:  # drain everything that is ready
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
