@@ -237,6 +237,43 @@ class Agent:
         local = check_block_ids("local", local_blocks, self.spec.num_blocks)
         remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
         note = encode_notification(request_id, self.engine_id, self.config.auth_key)
+        route, parts, notify_only, claimed = self._route_and_claim(remote, view, local, remote_ids, request_id,
+                                                                    note, deadline, timeout)
+        on_success = None
+        done_links = list(notify_only)
+        if route.chunked:  # no chunk's NIXL notification tells the producer: the last Done does
+            done_links += route.links
+        if done_links:  # replicas we depend on but did not read from, and chunked reads: tell them
+            on_success = lambda: [self._done.send(link, request_id) for link in done_links]  # noqa: E731
+        try:
+            if not parts:
+                parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
+            for link, part in zip(route.links, parts):
+                if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
+                    part.on_done = partial(self._done.send, link, request_id)
+            handle = self._engine.submit(request_id, Direction.READ, parts, deadline=deadline, blocks=local,
+                                         on_success=on_success,
+                                         mode=None if route.mode is TransferPath.DIRECT else route.mode,
+                                         setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
+        except KvxferError:
+            _cancel_jobs(parts)
+            route.drop_packs(self._kit)
+            self._claims.give_back(request_id)
+            raise
+        handle.add_done_callback(self._on_read_done)
+        if self._metrics is not None:
+            handle.add_done_callback(partial(self._metrics.observe, "read", route.mode))
+        self._wake.set()
+        return handle
+
+    def _route_and_claim(self, remote, view, local, remote_ids, request_id: str, note: bytes,
+                         deadline: float | None, timeout: float | None):
+        """Choose the read's path and claim it on every producer rank it depends on.
+
+        Returns ``(route, parts, notify_only, claim_seconds)``; ``parts`` is already started for
+        the IPC path (its kernel runs while the claim travels), else empty. A peer that
+        restarted since our handshake (``PeerLostError``) gets one fresh handshake and a second
+        attempt, within the read's deadline. Raises what the read raises at once."""
         parts: list = []
         route = None
         for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
@@ -265,7 +302,7 @@ class Agent:
                     raise
                 self._claims.answers(request_id, sent)
                 claimed = time.perf_counter() - claim_started
-                break
+                return route, parts, notify_only, claimed
             except KvxferError as exc:
                 _cancel_jobs(parts)
                 parts = []
@@ -277,32 +314,7 @@ class Agent:
                     self._peers.drop(link)
                 if attempt == 2 or (deadline is not None and self._clock.now() >= deadline):
                     raise
-        on_success = None
-        done_links = list(notify_only)
-        if route.chunked:  # no chunk's NIXL notification tells the producer: the last Done does
-            done_links += route.links
-        if done_links:  # replicas we depend on but did not read from, and chunked reads: tell them
-            on_success = lambda: [self._done.send(link, request_id) for link in done_links]  # noqa: E731
-        try:
-            if not parts:
-                parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
-            for link, part in zip(route.links, parts):
-                if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
-                    part.on_done = partial(self._done.send, link, request_id)
-            handle = self._engine.submit(request_id, Direction.READ, parts, deadline=deadline, blocks=local,
-                                         on_success=on_success,
-                                         mode=None if route.mode is TransferPath.DIRECT else route.mode,
-                                         setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
-        except KvxferError:
-            _cancel_jobs(parts)
-            route.drop_packs(self._kit)
-            self._claims.give_back(request_id)
-            raise
-        handle.add_done_callback(self._on_read_done)
-        if self._metrics is not None:
-            handle.add_done_callback(partial(self._metrics.observe, "read", route.mode))
-        self._wake.set()
-        return handle
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _time_left(self, deadline: float | None, request_id: str, cap: float | None = -1.0) -> float:
         """Seconds left of a read's window, capped by the handshake timeout (``cap=None``: uncapped,
