@@ -174,6 +174,22 @@ def consumer(spec: KVSpec, seed: int = 99, **cfg) -> tuple[Agent, list[np.ndarra
     return agent, cache
 
 
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once it is really stopped (``kill`` returns before the target
+    has stopped; a request sent in between could still be answered)."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    if not wait_until(stopped, timeout, step=0.001):
+        raise RuntimeError(f"process {pid} did not stop within {timeout} s")
+
+
 def fill(cache: list[np.ndarray], ids, value: int = SENTINEL) -> None:
     for t in cache:
         t[:, list(ids)] = value

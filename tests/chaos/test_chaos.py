@@ -20,7 +20,7 @@ from kvxfer import (BlockIdError, KvxferError, KVSpec, LeaseExpiredError, PeerLo
                     TransferTimeoutError)
 from kvxfer.testing import expected_read, free_port_block, logical_kv
 
-from chaos_peers import (BIG, Peer, blocks_of, cache_for, consumer, fill, idle, rss, start_all,
+from chaos_peers import (BIG, Peer, blocks_of, cache_for, consumer, fill, freeze, idle, rss, start_all,
                          wait_until)
 
 TRIALS = 5
@@ -146,7 +146,7 @@ def test_producer_stalled_at_claim_time_fails_the_read_within_its_timeout(big_pr
         big_producer.ask(("hold", rid, src.tolist(), None, True))
         agent.connect(*big_producer.address)  # the link is ready: the claim is the first wait
         fill(cache, dst)
-        os.kill(big_producer.pid, signal.SIGSTOP)
+        freeze(big_producer.pid)  # stopped for sure before the claim leaves
         try:
             started = time.monotonic()
             with pytest.raises((PeerLostError, TransferTimeoutError)):
