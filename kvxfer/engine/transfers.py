@@ -1,23 +1,24 @@
-"""The transfer engine: posts a request's parts, polls them, completes handles (layer: engine).
+"""The transfer engine: runs a request's parts on their executors, polls them, completes handles (layer: engine).
 
 May import backend.base, layout, protocol, clock, errors, types; never nixl, zmq or torch.
-One request may span several peer ranks (heterogeneous TP): each rank is a *part*; the
-request's handle completes when every part has, and fails as soon as one fails, it is
-cancelled, or its deadline passes. Staged parts land in a registered staging buffer and
-are unpacked into the cache before the part counts as done. A part may instead carry a
-``Job`` (the GPU paths: a CUDA IPC kernel, a staged pipeline) that moves the bytes itself;
-the engine polls it and, when it finishes, sends the part's notification to the peer, as a
-backend transfer would have on completion.
+One request may span several peer ranks (heterogeneous TP): each rank is a *part*, run by
+one executor behind the ``Job`` interface (start -> poll -> cancel): a direct backend
+transfer or a host-staged one (``kvxfer.engine.posted``, built here from the part's layout
+plan), or a job a GPU path already started (a CUDA IPC kernel, a staged pipeline half,
+``kvxfer.engine.paths``). The request's handle completes when every part has, and fails as
+soon as one fails, it is cancelled, or its deadline passes. When a job that moves its bytes
+itself finishes, the engine sends the part's notification to the peer, as a backend transfer
+does on completion.
 
-Ownership of the destination (docs/reliability.md): a request's transfers are released only
-once the backend says they ended (DONE or FAILED); releasing a pending one does not stop
-bytes arriving over every transport (UCX over TCP keeps writing). So a failed, cancelled or
-timed-out request first *drains*: its handle fails once every transfer has ended, or, if
-that is not confirmed within ``drain_grace`` seconds after its deadline, the handle fails
-anyway and its destination blocks stay *quarantined* (``quarantined()``) until the backend
-confirms the end; ``on_reclaimed(request_id)`` then reports them free. A request that
-completes after its deadline (the window its producer granted) fails: its producer may have
-freed and reused the blocks while they moved.
+Ownership of the destination (docs/reliability.md): a request's jobs are let go only once
+each confirms that nothing it started can write any more (a backend transfer: DONE or FAILED;
+releasing a pending one does not stop bytes arriving over every transport, UCX over TCP keeps
+writing). So a failed, cancelled or timed-out request first *drains*: its handle fails once
+every job has ended, or, if that is not confirmed within ``drain_grace`` seconds after its
+deadline, the handle fails anyway and its destination blocks stay *quarantined*
+(``quarantined()``) until the jobs confirm the end; ``on_reclaimed(request_id)`` then reports
+them free. A request that completes after its deadline (the window its producer granted)
+fails: its producer may have freed and reused the blocks while they moved.
 """
 
 from __future__ import annotations
@@ -29,39 +30,48 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvxfer.backend.base import Backend, XferId
+from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.engine.handles import TransferHandle, TransferStats
+from kvxfer.engine.posted import DirectJob, HostStagedJob, StagingBuffer
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.errors import (
     BlockIdError,
     ClosedError,
     KvxferError,
-    PeerLostError,
     TransferFailedError,
     TransferTimeoutError,
 )
-from kvxfer.types import Direction, MemKind, TransferPath, XferState
+from kvxfer.types import Direction, MemKind, TransferPath
 
 __all__ = ["Job", "Part", "TransferEngine"]
 
 
 class Job(Protocol):
-    """A part that moves its bytes itself. ``poll`` never blocks: True once the bytes are in
-    place, a ``KvxferError`` when they cannot be; ``cancel`` stops it and frees what it holds
-    (idempotent; after it returns, nothing the job started writes into memory any more)."""
+    """An executor's share of a request: moves its bytes, is polled, can be stopped.
+
+    ``poll`` never blocks: True once the bytes are in place, a ``KvxferError`` when they cannot
+    be. ``cancel`` stops the job and frees what it holds; it returns True once nothing the job
+    started can write into memory any more, False while that is not confirmed yet (the engine
+    calls it again; idempotent). ``notifies``: the job's transport delivers the part's
+    notification itself (a backend transfer); otherwise the engine sends it when ``poll`` first
+    returns True.
+    """
 
     num_bytes: int
     descriptors: int
+    notifies: bool
 
     def poll(self) -> bool: ...
 
-    def cancel(self) -> None: ...
+    def cancel(self) -> bool: ...
 
 
 @dataclass
 class Part:
-    """One peer rank's share of a request. ``plan`` is a layout ``RequestPlan`` (or None with a ``job``)."""
+    """One peer rank's share of a request: a layout ``plan`` the engine runs as a direct or
+    host-staged job, or a ``job`` an executor already started (a CUDA IPC kernel, a staged
+    pipeline half)."""
 
     peer: str
     plan: object
@@ -69,10 +79,8 @@ class Part:
     notification: bytes
     job: Job | None = None
     on_done: Callable[[], None] | None = None  # a job part's completion notice (else backend.notify)
-    xfer: XferId | None = None
-    staging_offset: int | None = None
     done: bool = False
-    waiting: bool = False   # staged part not yet posted: the staging buffer was full
+    ended: bool = False     # cancelled and confirmed: nothing it started writes any more
 
 
 @dataclass
@@ -130,9 +138,7 @@ class TransferEngine:
         self._backend = backend
         self._kind = local_kind
         self._clock = clock or MonotonicClock()
-        self._staging_base = staging_base
-        self._staging = staging
-        self._unpack = unpack
+        self._area = StagingBuffer(staging_base, staging, unpack) if staging is not None and unpack else None
         self._grace = drain_grace
         self._on_reclaimed = on_reclaimed or (lambda request_id: None)
         self._lock = threading.Lock()
@@ -177,7 +183,7 @@ class TransferEngine:
         try:
             # Post before the progress thread can see the request, so it never races the posting.
             for part in parts:
-                self._post(part, direction)
+                self._post(req, part)
         except BaseException as exc:
             req.error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
             self._end_parts(req, wait=True)
@@ -199,29 +205,14 @@ class TransferEngine:
                     f"local block {int(hit[0])} is quarantined: request {other.handle.request_id!r} failed "
                     "and its transfer is not confirmed ended yet (finished().reclaimed reports it free)")
 
-    def _post(self, part: Part, direction: Direction) -> None:
-        """Post one part; a staged part waits (unposted) while the staging buffer is full."""
+    def _post(self, req: _Request, part: Part) -> None:
+        """Start a plan part as the executor its plan asks for (a job part is already running)."""
         if part.job is not None:
-            return  # already running
-        local = part.plan.local
-        if part.plan.staging_bytes:
-            if self._staging is None or self._unpack is None:
-                raise TransferFailedError("a staged transfer needs a staging buffer; none is registered")
-            if part.plan.staging_bytes > self._staging.capacity:
-                raise TransferFailedError(
-                    f"a staged part needs {part.plan.staging_bytes} bytes; "
-                    f"the staging buffer holds {self._staging.capacity}"
-                )
-            offset = self._staging.allocate(part.plan.staging_bytes)
-            if offset is None:
-                part.waiting = True  # posted by progress() once another part frees its range
-                return
-            part.waiting = False
-            part.staging_offset = offset
-            local = local.copy()
-            local[:, 0] += self._staging_base + offset
-        part.xfer = self._backend.post(direction, local, self._kind, part.plan.remote,
-                                       part.remote_kind, part.peer, part.notification)
+            return
+        label = f"request {req.handle.request_id!r}"
+        args = (self._backend, req.direction, part.plan, self._kind, part.peer, part.remote_kind,
+                part.notification, label)
+        part.job = HostStagedJob(*args, self._area) if part.plan.staging_bytes else DirectJob(*args)
 
     # ---- progress ----------------------------------------------------------------
     def in_flight(self) -> int:
@@ -261,32 +252,13 @@ class TransferEngine:
 
     def _poll(self, req: _Request) -> None:
         for part in req.parts:
-            if part.done:
+            if part.done or not part.job.poll():
                 continue
-            if part.waiting:
-                self._post(part, req.direction)
-                if part.waiting:
-                    continue
-            if part.job is not None:
-                if part.job.poll():
-                    part.done = True
-                    if part.on_done is not None:
-                        part.on_done()
-                    elif part.notification:
-                        self._backend.notify(part.peer, part.notification)
-                continue
-            state = self._backend.state(part.xfer)
-            if state is XferState.PENDING:
-                continue
-            if state is XferState.FAILED:
-                raise self._failure(req, part)
-            self._backend.release(part.xfer)
-            part.xfer = None
-            if part.staging_offset is not None:
-                self._unpack(part.plan, self._staging_base + part.staging_offset)
-                self._staging.free(part.staging_offset)
-                part.staging_offset = None
             part.done = True
+            if part.on_done is not None:
+                part.on_done()
+            elif part.notification and not getattr(part.job, "notifies", False):
+                self._backend.notify(part.peer, part.notification)
         seen = self._clock.now()  # every DONE above was observed before this instant
         if all(p.done for p in req.parts):
             if req.deadline is not None and seen > req.deadline:
@@ -299,15 +271,6 @@ class TransferEngine:
                 f"request {req.handle.request_id!r}: {sum(p.done for p in req.parts)} of "
                 f"{len(req.parts)} parts complete when its deadline passed"
             )
-
-    def _failure(self, req: _Request, part: Part) -> KvxferError:
-        """The error for a FAILED transfer, chaining the backend's reason (a lost peer stays PeerLostError)."""
-        why = getattr(self._backend, "failure", lambda x: None)(part.xfer)
-        cls = PeerLostError if isinstance(why, PeerLostError) else TransferFailedError
-        err = cls(f"request {req.handle.request_id!r}: transfer with peer {part.peer!r} failed"
-                  + (f": {why}" if why is not None else ""))
-        err.__cause__ = why
-        return err
 
     def _succeed(self, req: _Request) -> None:
         with self._lock:
@@ -349,36 +312,18 @@ class TransferEngine:
         req.handle._finish(error=error)
 
     def _end_parts(self, req: _Request, wait: bool) -> bool:
-        """Stop what ``req`` started and release what has ended; True once nothing can write any more.
+        """Cancel every job of ``req``; True once none can write any more.
 
-        A job is cancelled (its ``cancel`` returns once it cannot write); a backend transfer is
-        released only once the backend reports it DONE or FAILED, because releasing a pending
-        one does not stop its bytes. ``wait``: poll until ended or the grace passes (posting errors)."""
+        A backend transfer's job confirms only once the backend reports it DONE or FAILED
+        (releasing a pending one does not stop its bytes). ``wait``: poll until ended or the
+        grace passes (posting errors)."""
         until = self._clock.now() + self._grace
         while True:
             ended = True
             for part in req.parts:
-                if part.job is not None and not part.done:
-                    part.job.cancel()
-                    part.done = True
-                if part.xfer is not None:
-                    try:
-                        state = self._backend.state(part.xfer)
-                    except ClosedError:
-                        state = XferState.FAILED  # the backend is gone: nothing moves any more
-                    except KvxferError:
-                        state = XferState.PENDING
-                    if state is XferState.PENDING:
-                        ended = False
-                        continue
-                    try:
-                        self._backend.release(part.xfer)
-                    except KvxferError:
-                        pass  # ended already; releasing is bookkeeping
-                    part.xfer = None
-                if part.xfer is None and part.staging_offset is not None and self._staging is not None:
-                    self._staging.free(part.staging_offset)
-                    part.staging_offset = None
+                if part.job is not None and not part.ended:
+                    part.ended = bool(part.job.cancel())
+                    ended = ended and part.ended
             if ended or not wait or self._clock.now() >= until:
                 return ended
             time.sleep(0.0005)

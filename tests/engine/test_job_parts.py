@@ -24,8 +24,9 @@ class StepJob:
             raise self.error
         return True
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
         self.cancelled += 1
+        return True
 
 
 def _engine():

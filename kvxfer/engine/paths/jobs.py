@@ -1,7 +1,8 @@
 """Transfer parts that move their own bytes: an IPC kernel, a staged pipeline half (layer: engine; never nixl, zmq or the agent).
 
 Both satisfy ``kvxfer.engine.transfers.Job``: ``poll`` never blocks (the progress thread
-calls it), ``cancel`` returns only once nothing the job started can still write memory.
+calls it), ``cancel`` returns True once nothing the job started can still write memory; the
+engine sends the part's notification when ``poll`` first returns True (``notifies`` False).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = logging.getLogger("kvxfer.agent")
 class IpcJob:
     """Pair-copy kernels already enqueued on a CUDA stream, followed by ``event``."""
 
+    notifies = False
+
     def __init__(self, launches: list, event: Any, num_bytes: int, descriptors: int) -> None:
         self._launches, self._event = launches, event  # launches keep the uploaded tables alive
         self.num_bytes, self.descriptors = num_bytes, descriptors
@@ -32,10 +35,11 @@ class IpcJob:
             return True
         return False
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
         # A launched kernel cannot be recalled: wait for it, so the caller may reuse the blocks.
         self._event.synchronize()
         self._launches = []
+        return True
 
 
 class PipelineJob:
@@ -44,6 +48,8 @@ class PipelineJob:
     ``cancel`` stops the pipeline at its next receive on ``link`` and joins the thread;
     ``cleanup`` (return slots, close the route) runs on the worker once ``body`` ended.
     """
+
+    notifies = False
 
     def __init__(self, name: str, body: Callable[[], None], link: PipeLink, cleanup: Callable[[], None],
                  num_bytes: int, descriptors: int) -> None:
@@ -79,8 +85,11 @@ class PipelineJob:
             raise self.error
         return True
 
-    def cancel(self, error: KvxferError | None = None) -> None:
-        self.cancelled = True
-        self.link.stop(error or TransferFailedError(f"{self.name}: cancelled"))
-        if threading.current_thread() is not self._thread:
-            self._thread.join(30)
+    def cancel(self, error: KvxferError | None = None) -> bool:
+        """Stop the pipeline; True once its worker ended (its last transfer confirmed ended)."""
+        first, self.cancelled = not self.cancelled, True
+        if first:
+            self.link.stop(error or TransferFailedError(f"{self.name}: cancelled"))
+            if threading.current_thread() is not self._thread:
+                self._thread.join(30)
+        return self._done.is_set()
