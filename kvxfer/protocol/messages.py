@@ -150,6 +150,9 @@ class PeerInfo(msgspec.Struct, frozen=True):
     # Appended: the port of this agent's express lane (per-request frames over plain TCP, on
     # ``listen_host``; see kvxfer.transport.express). 0: none, requests stay on the side channel.
     express_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    # Appended: host identity + network namespace (kvxfer.engine.paths.kit.network_identity): a
+    # peer with another value is reached through a network device. Older peers: "" (unknown).
+    net_id: Annotated[str, Meta(max_length=1024)] = ""
 
 
 class Hello(_Msg, frozen=True):

@@ -2,7 +2,14 @@
 
 import pytest
 
-from kvxfer.engine.paths.choose import MANY_DESCRIPTORS, SHORT_DESCRIPTOR, PathFacts, choose_path
+from kvxfer.engine.paths.choose import (
+    HOST_MANY_DESCRIPTORS,
+    HOST_SHORT_DESCRIPTOR,
+    MANY_DESCRIPTORS,
+    SHORT_DESCRIPTOR,
+    PathFacts,
+    choose_path,
+)
 from kvxfer.engine.paths.pipes import PipeRouter
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError
@@ -10,8 +17,8 @@ from kvxfer.engine.paths.pipeline import DATA, FREE, READY, PipeMessage
 from kvxfer.protocol import PipeNote, decode_pipe_note, encode_notification, encode_pipe_note
 
 
-def facts(ipc=None, staged=None, direct=None, vram=True, descriptors=4096, num_bytes=4096 * 32768):
-    return PathFacts(ipc, staged, direct, vram, descriptors, num_bytes)
+def facts(ipc=None, staged=None, direct=None, vram=True, descriptors=4096, num_bytes=4096 * 32768, remote=False):
+    return PathFacts(ipc, staged, direct, vram, descriptors, num_bytes, remote)
 
 
 def test_auto_prefers_ipc_when_mapped():
@@ -30,6 +37,24 @@ def test_auto_without_ipc_picks_staged_for_many_or_short_descriptors(descriptors
 
 def test_auto_on_host_memory_stays_direct():
     assert choose_path("auto", facts(ipc="host memory", vram=False)) == "direct"
+
+
+N, SHORT = HOST_MANY_DESCRIPTORS, HOST_SHORT_DESCRIPTOR
+
+
+@pytest.mark.parametrize("remote,descriptors,num_bytes,staged,want", [
+    (True, N, N * SHORT, None, "staged"),            # another network stack, many tiny pieces
+    (True, 8192, 8192 * 4096, None, "staged"),       # a TP-8 rank of a 70B model, 8,192 tokens
+    (True, N - 1, (N - 1) * 4096, None, "direct"),   # too few: the pipeline's set-up is not paid back
+    (True, N, N * SHORT + 1, None, "direct"),        # pieces too large: direct reads them well
+    (False, 8192, 8192 * 4096, None, "direct"),      # same network stack: shared memory, no pack
+    (True, 8192, 8192 * 4096, "peer serves no staged reads", "direct"),
+])
+def test_auto_on_host_memory_stages_many_tiny_pieces_across_a_network(remote, descriptors, num_bytes,
+                                                                      staged, want):
+    got = choose_path("auto", facts(ipc="host memory", vram=False, staged=staged, descriptors=descriptors,
+                                    num_bytes=num_bytes, remote=remote))
+    assert got == want
 
 
 def test_auto_falls_back_to_staged_when_direct_cannot_and_to_direct_when_staging_is_missing():

@@ -26,7 +26,7 @@ from proto_helpers import codec, info, spec
 #: The appended PeerInfo fields an old peer neither sends nor reads: the GPU paths, then the
 #: multiplexed listener (request ids on the side channel).
 GPU_FIELDS = ("host_id", "ipc", "staging")
-NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port")
+NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id")
 #: The messages the old peer's union does not have.
 NEWER = (Done, PackRequest, PackReady)
 
@@ -93,7 +93,7 @@ def test_appended_fields_are_last_and_defaulted():
     fields = msgspec.structs.fields(PeerInfo)
     assert tuple(f.name for f in fields[-len(NEWER_FIELDS):]) == NEWER_FIELDS
     assert {f.name: f.default for f in fields[-len(NEWER_FIELDS):]} == dict(host_id="", ipc=None, staging=None,
-                                                                           multiplexed=False, express_port=0)
+                                                                           multiplexed=False, express_port=0, net_id="")
     assert OLD_FIELDS == tuple(f.name for f in fields[:-len(NEWER_FIELDS)])
 
 

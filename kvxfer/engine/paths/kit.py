@@ -2,7 +2,8 @@
 
 ``PathKit`` is built when the cache is registered: the pair-copy kernel (``PairKernel`` on a
 GPU, ``HostPairKernel`` on host memory), the staging area that serves and receives staged
-reads (with a pool of its slots), this cache's CUDA IPC export, the host identity, the CUDA
+reads (with a pool of its slots), this cache's CUDA IPC export, the host and network
+identities (``host_identity``, ``network_identity``), the CUDA
 stream IPC reads run on, the router of pipeline notifications, and the clock the staged
 paths' deadlines are measured on. It also maps peers' caches (once per ``PeerLink``; unmapped
 when the link closes) and says, per peer, why a path is not available.
@@ -11,6 +12,7 @@ when the link closes) and says, per peer, why a path is not available.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -30,9 +32,23 @@ from kvxfer.types import MemKind
 
 from kvxfer.engine.paths.pipes import PipeRouter
 
-__all__ = ["PathKit"]
+__all__ = ["PathKit", "network_identity"]
 
 log = logging.getLogger("kvxfer.agent")
+
+
+def network_identity() -> str:
+    """This process's network stack: host identity + network namespace.
+
+    Two agents with different values reach each other through a network device (another
+    machine, or another container's namespace), not through one kernel's loopback; the staged
+    path's rule for host memory (``choose``) depends on it. Empty when ``/proc`` cannot say.
+    """
+    try:
+        ns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+    return f"{host_identity()}/{ns}"
 
 
 class PathKit:
@@ -50,6 +66,7 @@ class PathKit:
         self.vram = geometry.kind is MemKind.VRAM
         self.device = int(geometry.device)
         self.host_id = host_identity()
+        self.net_id = network_identity()
         self.router = PipeRouter(backend, key=config.auth_key)
         self.area: StagingArea | None = None
         self.area_why = ""
@@ -64,13 +81,13 @@ class PathKit:
         if no_kernel:  # without the kernel neither GPU path works here: peers see none offered
             self.area_why = f"this agent cannot run the GPU paths: {no_kernel}"
             log.info("GPU paths disabled: %s", no_kernel)
-        elif path != "direct" and (self.vram or path == "staged"):
+        elif path != "direct" and (self.vram or path in ("staged", "auto")):
             self._make_area()
         elif path == "direct":
             self.area_why = "this agent's transfer_path is 'direct'"
         else:
             self.area_why = (f"this agent's cache is host memory and transfer_path is {path!r} "
-                             "(staged reads of host memory are served with transfer_path='staged')")
+                             "(staged reads of host memory are served with transfer_path 'auto' or 'staged')")
         if self.vram and not no_kernel and path in ("auto", "ipc"):
             try:
                 export = export_cache(geometry, self.host_id)
@@ -97,7 +114,7 @@ class PathKit:
         if self.area is not None:
             staging = StagingWire(self.area.addr, self.area.slot_bytes, self.area.slots, self.area.device,
                                   self.area.kind.value)
-        return {"host_id": self.host_id, "ipc": self.ipc, "staging": staging}
+        return {"host_id": self.host_id, "net_id": self.net_id, "ipc": self.ipc, "staging": staging}
 
     # ---- executors -------------------------------------------------------------------
     @property
@@ -197,6 +214,10 @@ class PathKit:
         if self._stream is not None:
             self._stream.synchronize()  # no kernel may still read the peer's memory
         mapping.close()
+
+    def remote(self, link) -> bool:
+        """True when ``link``'s peer announced another network stack than this agent's."""
+        return bool(link.info.net_id) and bool(self.net_id) and link.info.net_id != self.net_id
 
     def staged_why(self, link) -> str | None:
         """None when staged reads from ``link`` are possible, else why not."""

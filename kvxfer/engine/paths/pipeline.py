@@ -161,7 +161,8 @@ class SlotRange:
 
 
 def host_allocate(nbytes: int, device: int = 0) -> tuple[Any, int]:
-    """A host-memory staging buffer (pages faulted in now, not during the first transfer)."""
+    """A host-memory staging buffer (zeroed pages come on first touch: an agent that never moves a
+    staged read keeps none of it resident)."""
     buf = np.zeros(nbytes, dtype=np.uint8)
     return buf, int(buf.ctypes.data)
 

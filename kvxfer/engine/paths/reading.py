@@ -242,7 +242,8 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
                       "host staging step does not apply to a GPU cache")
     facts = PathFacts(ipc_why=_first(kit.ipc_why(link) for link in links) if links else "no producer rank",
                       staged_why=_first(kit.staged_why(link) for link in links) if links else "no producer rank",
-                      direct_why=direct_why, local_vram=kit.vram, descriptors=descriptors, num_bytes=num_bytes)
+                      direct_why=direct_why, local_vram=kit.vram, descriptors=descriptors, num_bytes=num_bytes,
+                      remote=bool(links) and all(kit.remote(link) for link in links))
     mode = choose_path(configured, facts)
     return ReadRoute(mode, links, local, remote, request_id, note, chunks,
                      chunked=any(len(c) > 1 for c in chunks))
