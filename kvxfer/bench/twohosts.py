@@ -24,8 +24,9 @@ from typing import Callable
 
 from kvxfer.bench.hosts import two_hosts
 from kvxfer.bench.run import BenchConfig, run_bench
+from kvxfer.errors import ConfigError
 
-__all__ = ["SETTINGS", "run_two_hosts", "table"]
+__all__ = ["METHODS", "SETTINGS", "run_two_hosts", "table"]
 
 #: (name, extra environment, methods) for each pass.
 SETTINGS = (
@@ -33,8 +34,10 @@ SETTINGS = (
      ("nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged")),
     ("kvxfer", {},
      ("tcp-socket", "nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged",
-      "kvxfer-first-read")),
+      "kvxfer-agent", "kvxfer-first-read")),
 )
+#: Every method a two-hosts run knows (``--methods`` naming another is refused).
+METHODS = tuple(dict.fromkeys(m for _, _, methods in SETTINGS for m in methods))
 
 
 def run_two_hosts(cfg: BenchConfig, save: Callable[[dict], None] | None = None) -> dict:
@@ -44,6 +47,9 @@ def run_two_hosts(cfg: BenchConfig, save: Callable[[dict], None] | None = None) 
     with the report so far after each setting (a long run keeps what it measured). Raises
     ``HostsUnavailableError`` (a KvxferError) when namespaces cannot be made (not root).
     """
+    unknown = [m for m in cfg.methods or () if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"--two-hosts runs {', '.join(METHODS)}; got {', '.join(unknown)}")
     base_env = {} if "UCX_TLS" in os.environ else {"UCX_TLS": "tcp"}
     report: dict = {"rows": [], "settings": {}}
     with two_hosts() as hosts:

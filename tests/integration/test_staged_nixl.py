@@ -203,7 +203,8 @@ def test_forcing_staged_against_a_producer_without_staging_names_why(producers):
     from nixl_peers import Producer
 
     spec = KVSpec(**COMMON)
-    prod = Producer(spec, seed=1, port=free_port_block(), holds={"r": [1]})
+    # a host-memory producer offers staging under "auto" and "staged"; "direct" offers none
+    prod = Producer(spec, seed=1, port=free_port_block(), holds={"r": [1]}, transfer_path="direct")
     producers.append(prod)
     cons, _ = consumer(spec, **STAGED)
     with cons:

@@ -80,11 +80,47 @@ def is_pipe_message(raw: bytes) -> bool:
 
 
 class Link(Protocol):
-    """Carries pipeline messages to the one peer of a transfer."""
+    """Carries pipeline messages to the one peer of a transfer. A link may also have
+    ``wait(timeout)``: block until a message arrives or ``timeout`` seconds pass (see ``_Pacer``)."""
 
     def send(self, message: bytes) -> None: ...
 
     def receive(self) -> list[bytes]: ...
+
+
+#: A pipeline loop that found nothing to do keeps polling (yielding the GIL each turn) for this
+#: long, then blocks on its link for up to ``IDLE_WAIT`` seconds at a time.
+IDLE_SPIN = 100e-6
+IDLE_WAIT = 200e-6
+
+
+class _Pacer:
+    """Paces one pipeline loop so it never holds the GIL while it waits.
+
+    A loop that spins without releasing the GIL keeps every other Python thread of the process
+    (the agent's progress loop, which delivers the pipeline's notifications) waiting for the
+    interpreter's switch interval, 5 ms, at every hand-off. ``turn(moved)`` after each pass:
+    a pass that moved something continues at once; an idle one yields (``time.sleep(0)``), and
+    after ``IDLE_SPIN`` of idle passes waits on the link (woken by the next message) or sleeps.
+    """
+
+    def __init__(self, link: Link) -> None:
+        self._wait = getattr(link, "wait", None)
+        self._idle_since: float | None = None
+
+    def turn(self, moved: bool) -> None:
+        if moved:
+            self._idle_since = None
+            return
+        now = time.perf_counter()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < IDLE_SPIN:
+            time.sleep(0)
+        elif self._wait is not None:
+            self._wait(IDLE_WAIT)
+        else:
+            time.sleep(IDLE_WAIT)
 
 
 class StagingArea:
@@ -262,22 +298,28 @@ def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area:
     packing: collections.deque = collections.deque()
     seen: set[int] = set()   # pieces freed: a peer's duplicate must not end the loop early
     k = freed = 0
+    pacer = _Pacer(link)
     while freed < len(pieces):
+        moved = False
         if k < len(pieces) and free:  # one launch per turn, so READY k leaves as soon as pack k ends
             slot = free.popleft()
             packing.append((k, slot, gpu.run(_piece_copy(pack, pieces[k], area.slot_addr(slot), "dst"))))
             k += 1
+            moved = True
         while packing and packing[0][2].done:
             piece, slot, _ = packing.popleft()
             link.send(PipeMessage(READY, tag, piece, slot).encode())
+            moved = True
         for msg in _messages(link, tag, FREE, len(pieces)):
             if msg.piece >= k or msg.piece in seen:
                 raise ProtocolError(f"FREE for piece {msg.piece}: not announced, or freed twice")
             seen.add(msg.piece)
             free.append(msg.slot)
             freed += 1
+            moved = True
         gpu.reap()
         _check_deadline(clock, deadline, f"serving piece {freed} of {len(pieces)}")
+        pacer.turn(moved)
 
 
 def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
@@ -357,13 +399,16 @@ def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_sl
     unpacking: list[tuple[int, Any]] = []
     done = 0
     dev = area.device
+    pacer = _Pacer(link)
     while done < len(pieces):
+        moved = False
         for msg in _messages(link, tag, READY, len(pieces)):
             if msg.piece in announced:
                 raise ProtocolError(f"READY for piece {msg.piece} twice")
             announced.add(msg.piece)
             note("ready", msg.piece)
             ready.append(msg)
+            moved = True
         while ready and free:
             msg, slot = ready.popleft(), free.popleft()
             n = (pieces[msg.piece][1] - pieces[msg.piece][0]) * unpack.pair_bytes
@@ -372,6 +417,7 @@ def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_sl
                                peer, b"")
             moving.append((msg.piece, slot, msg.slot, xid))
             note("posted", msg.piece)
+            moved = True
         for entry in list(moving):
             piece, slot, rslot, xid = entry
             state = backend.state(xid)
@@ -387,13 +433,16 @@ def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_sl
             note("unpack-launched", piece)
             backend.release(xid)
             link.send(PipeMessage(FREE, tag, piece, rslot).encode())
+            moved = True
         finished, unpacking = _split_done(unpacking)
         for slot, _ in finished:
             note("unpacked", slot)
             free.append(slot)
             done += 1
+            moved = True
         gpu.reap()
         _check_deadline(clock, deadline, f"fetching piece {done} of {len(pieces)}")
+        pacer.turn(moved)
 
 
 def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
@@ -412,12 +461,15 @@ def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
     moving: list[tuple[int, int, int]] = []
     k = freed = 0
     dev = area.device
+    pacer = _Pacer(link)
     while freed < len(pieces):
+        moved = False
         while k < len(pieces) and free and credits:
             slot, rslot = free.popleft(), credits.popleft()
             event = gpu.run(_piece_copy(pack, pieces[k], area.slot_addr(slot), "dst"))
             packing.append((k, slot, rslot, event))
             k += 1
+            moved = True
         while packing and packing[0][3].done:
             piece, slot, rslot, _ = packing.popleft()
             n = (pieces[piece][1] - pieces[piece][0]) * pack.pair_bytes
@@ -425,6 +477,7 @@ def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
                                descs([remote_slot_addr(rslot)], n, remote_device), MemKind.VRAM, peer,
                                PipeMessage(DATA, tag, piece, rslot).encode())
             moving.append((piece, slot, xid))
+            moved = True
         still = []
         for piece, slot, xid in moving:
             state = backend.state(xid)
@@ -435,12 +488,15 @@ def push_write(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
             if state is XferState.FAILED:
                 raise TransferFailedError(f"staged WRITE of piece {piece} (tag {tag}) failed")
             free.append(slot)
+            moved = True
         moving = still
         for msg in _messages(link, tag, FREE, len(pieces)):
             credits.append(msg.slot)
             freed += 1
+            moved = True
         gpu.reap()
         _check_deadline(clock, deadline, f"pushing piece {freed} of {len(pieces)}")
+        pacer.turn(moved)
 
 
 def receive_write(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
@@ -453,14 +509,19 @@ def receive_write(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKer
     pieces = split_pieces(unpack, slot_bytes or area.slot_bytes)
     unpacking: list[tuple[PipeMessage, Any]] = []
     done = 0
+    pacer = _Pacer(link)
     while done < len(pieces):
+        moved = False
         for msg in _messages(link, tag, DATA, len(pieces)):
             copy = _piece_copy(unpack, pieces[msg.piece], area.slot_addr(msg.slot), "src")
             unpacking.append((msg, gpu.run(copy)))
+            moved = True
         finished, unpacking = _split_done(unpacking)
         for msg, _ in finished:
             link.send(PipeMessage(FREE, tag, msg.piece, msg.slot).encode())
             done += 1
+            moved = True
         gpu.reap()
         _check_deadline(clock, deadline, f"receiving piece {done} of {len(pieces)}")
+        pacer.turn(moved)
     gpu.stream.synchronize()

@@ -48,6 +48,7 @@ class PipeLink:
         self._key = key
         self._inbox: collections.deque[bytes] = collections.deque()
         self._error: KvxferError | None = None
+        self._arrived = threading.Event()
 
     def send(self, message: bytes) -> None:
         """Send the pipeline's ``message`` to the peer as a typed ``PipeNote`` (authenticated
@@ -78,10 +79,18 @@ class PipeLink:
 
     def put(self, raw: bytes) -> None:
         self._inbox.append(raw)
+        self._arrived.set()
+
+    def wait(self, timeout: float) -> None:
+        """Block (without the GIL) until a message arrives, ``stop`` is called or ``timeout`` passes."""
+        if not self._inbox and self._error is None:
+            self._arrived.wait(timeout)
+        self._arrived.clear()
 
     def stop(self, error: KvxferError) -> None:
         """Make the pipeline using this link raise ``error`` at its next receive (cancellation)."""
         self._error = error
+        self._arrived.set()
 
 
 class PipeRouter:
