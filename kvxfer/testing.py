@@ -26,7 +26,7 @@ from kvxfer.layout import KVSpec
 from kvxfer.transport.memory import MemoryNetwork, MemoryTransport
 
 __all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "ProducerProcess", "expected_read",
-           "free_port_block", "logical_kv", "serve_commands"]
+           "free_port_block", "logical_kv", "run_reporting", "serve_commands"]
 
 
 def _ephemeral_low() -> int:
@@ -161,3 +161,20 @@ class ProducerProcess:
             self.proc.join(20)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+def run_reporting(target: Callable[..., None], *args: Any, timeout: float = 180.0) -> Any:
+    """Run ``target(out, *args)`` in a spawned process and return the one thing it puts on ``out``.
+
+    The process is joined (killed after 30 s) whatever happens. Raises ``queue.Empty`` when it
+    reported nothing within ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(out, *args), daemon=True)
+    proc.start()
+    try:
+        return out.get(timeout=timeout)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()

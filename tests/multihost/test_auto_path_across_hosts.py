@@ -9,7 +9,6 @@ agents of one namespace, stay direct. Every read is byte-exact. The rule and its
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 from kvxfer import KVSpec
 from kvxfer.bench.hosts import HostsUnavailableError, two_hosts
 from kvxfer.engine.paths.choose import HOST_MANY_DESCRIPTORS
-from kvxfer.testing import ProducerProcess, expected_read, logical_kv, serve_commands
+from kvxfer.testing import ProducerProcess, expected_read, logical_kv, run_reporting, serve_commands
 
 # 1 KV head x 64 dim bf16 x 16 tokens: 2 KiB per layer x K/V x block; 4 layers x K/V = 8 pieces a block
 SPEC = dict(num_layers=4, num_kv_heads=1, head_dim=64, block_size=16, num_blocks=1200, dtype="bfloat16")
@@ -80,17 +79,10 @@ def _consumer(out, host, producer_address: str, env) -> None:
 
 def _run(producer_host, consumer_host, env) -> dict:
     producer = ProducerProcess(_producer, producer_host, P_IDS, env)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     address = producer_host.address if producer_host else "127.0.0.1"
-    consumer = ctx.Process(target=_consumer, args=(out, consumer_host, address, env), daemon=True)
-    consumer.start()
     try:
-        tag, report = out.get(timeout=240)
+        tag, report = run_reporting(_consumer, consumer_host, address, env, timeout=240)
     finally:
-        consumer.join(30)
-        if consumer.is_alive():
-            consumer.kill()
         producer.stop()
     assert tag == "ok", report
     for rid, got in report.items():

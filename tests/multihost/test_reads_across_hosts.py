@@ -9,7 +9,6 @@ the reason, only where namespaces cannot be created (not root, no ``ip``).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 
 from kvxfer import KVSpec
 from kvxfer.bench.hosts import HostsUnavailableError, two_hosts
-from kvxfer.testing import ProducerProcess, expected_read, logical_kv, serve_commands
+from kvxfer.testing import ProducerProcess, expected_read, logical_kv, run_reporting, serve_commands
 
 SPEC = dict(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=48, dtype="bfloat16")
 PORT = 47301  # inside the pair's own namespaces: no other user of the port
@@ -87,16 +86,9 @@ def hosts():
 def test_reads_across_hosts_are_exact_and_the_users_ucx_variable_wins(hosts):
     producer_host, consumer_host = hosts
     producer = ProducerProcess(_producer, producer_host, P_IDS)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    consumer = ctx.Process(target=_consumer, args=(out, consumer_host, producer_host.address), daemon=True)
-    consumer.start()
     try:
-        tag, report = out.get(timeout=180)
+        tag, report = run_reporting(_consumer, consumer_host, producer_host.address)
     finally:
-        consumer.join(30)
-        if consumer.is_alive():
-            consumer.kill()
         producer.stop()
     assert tag == "ok", report
     assert report["env"] == {"UCX_TCP_RCVBUF": USER_RCVBUF, "UCX_TCP_SNDBUF": "8m",
