@@ -17,7 +17,12 @@ listening side channel) in the process, as in a serving engine; ``--beside threa
 Python thread that wakes every millisecond for ~50 us of work (what any such thread costs the
 launch, through the GIL).
 
-Run:  python3 benchmarks/ipc_launch.py [--tokens 512,2048,8192] [--reads 50] [--beside none|agent|thread] [--json PATH]
+``--beside gpu-agent`` puts an idle ``Agent`` over a GPU cache in the process (UCX's CUDA
+transports in NIXL's progress thread); ``--beside gpu-process`` the same in another process on
+GPU 0 (as the bench's producer); ``--beside cuda-process`` another process holding only a CUDA
+context on GPU 0.
+
+Run:  python3 benchmarks/ipc_launch.py [--tokens 512,2048,8192] [--reads 50] [--beside none|agent|thread|gpu-agent|gpu-process|cuda-process] [--json PATH]
 """
 
 import argparse
@@ -134,6 +139,29 @@ def _beside(what: str):
         agent.listen()
         agent.hold("idle", [1, 2])  # a held request: the progress loop polls every millisecond
         return agent.close
+    if what == "gpu-agent":  # an Agent over a GPU cache in this process: UCX's CUDA transports
+        import torch as t
+        from kvxfer import Agent, AgentConfig, KVSpec as Spec
+
+        spec = Spec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=64, dtype="float16")
+        agent = Agent("beside", spec, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=0))
+        agent.register([t.zeros(s, dtype=t.float16, device="cuda:0") for s in spec.tensor_shapes()])
+        agent.listen()
+        agent.hold("idle", [1, 2])
+        return agent.close
+    if what in ("gpu-process", "cuda-process"):  # another process on GPU 0, as the bench's producer
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        ready, stop = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_other_process, args=(what == "gpu-process", ready, stop), daemon=True)
+        proc.start()
+        ready.wait(120)
+
+        def end() -> None:
+            stop.set()
+            proc.join(30)
+        return end
     if what == "thread":
         stop = threading.Event()
 
@@ -148,12 +176,35 @@ def _beside(what: str):
     return None
 
 
+def _other_process(with_agent: bool, ready, stop) -> None:
+    """A second process on GPU 0: with a VRAM ``Agent`` (NIXL's progress thread polling UCX,
+    a held request) or with only a CUDA context; it sits idle until ``stop``."""
+    import torch as t
+
+    t.zeros(1, device="cuda:0")
+    closer = None
+    if with_agent:
+        from kvxfer import Agent, AgentConfig, KVSpec as Spec
+
+        spec = Spec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=64, dtype="float16")
+        agent = Agent("beside-p", spec, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=0))
+        agent.register([t.zeros(s, dtype=t.float16, device="cuda:0") for s in spec.tensor_shapes()])
+        agent.listen()
+        agent.hold("idle", [1, 2])
+        closer = agent.close
+    ready.set()
+    stop.wait(600)
+    if closer is not None:
+        closer()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--reads", type=int, default=50)
     ap.add_argument("--json")
-    ap.add_argument("--beside", choices=("none", "agent", "thread"), default="none")
+    ap.add_argument("--beside", choices=("none", "agent", "thread", "gpu-agent", "gpu-process", "cuda-process"),
+                    default="none")
     args = ap.parse_args()
     torch.cuda.set_device(0)
     beside = _beside(args.beside)
