@@ -35,6 +35,20 @@ def test_auto_without_ipc_picks_staged_for_many_or_short_descriptors(descriptors
     assert choose_path("auto", facts(ipc="other host", descriptors=descriptors, num_bytes=num_bytes)) == want
 
 
+def test_auto_on_a_gpu_takes_staged_only_from_gpu_staging_areas():
+    # a host-memory producer (e.g. an offload tier) offers host staging under auto: a GPU
+    # consumer reads it directly unless only staging can express the move (not measured faster)
+    many = dict(ipc="other host", descriptors=MANY_DESCRIPTORS + 1, num_bytes=(MANY_DESCRIPTORS + 1) * 4096)
+    assert choose_path("auto", PathFacts(**{**_as_facts(many), "peer_staging_vram": False})) == "direct"
+    assert choose_path("auto", PathFacts(**{**_as_facts(many), "peer_staging_vram": False,
+                                            "direct_why": "layouts differ"})) == "staged"
+
+
+def _as_facts(kw):
+    f = facts(**kw)
+    return {k: getattr(f, k) for k in f.__dataclass_fields__}
+
+
 def test_auto_on_host_memory_stays_direct():
     assert choose_path("auto", facts(ipc="host memory", vram=False)) == "direct"
 

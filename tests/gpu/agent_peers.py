@@ -42,3 +42,22 @@ class GpuProducer(ProducerProcess):
     def __init__(self, spec, seed: int, port: int, device: int, holds: dict, **cfg) -> None:
         kwargs = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
         super().__init__(_producer, kwargs, seed, port, device, holds, cfg)
+
+
+def _host_producer(cmd, out, spec_kwargs, seed, port, holds, cfg) -> None:
+    from kvxfer import Agent, AgentConfig, KVSpec
+
+    spec = KVSpec(**spec_kwargs)
+    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
+    with Agent(f"host-producer{spec.tp_rank}", spec, config) as agent:
+        agent.register(host_cache(spec, seed))
+        agent.listen()
+        serve_commands(agent, holds, cmd, out)
+
+
+class HostProducer(ProducerProcess):
+    """A producer rank whose cache is host memory (numpy), e.g. a CPU offload tier."""
+
+    def __init__(self, spec, seed: int, port: int, holds: dict, **cfg) -> None:
+        kwargs = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+        super().__init__(_host_producer, kwargs, seed, port, holds, cfg)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from .agent_peers import GpuProducer, device_cache, expect_read, free_port_block, host_cache, logical
+from .agent_peers import GpuProducer, HostProducer, device_cache, expect_read, free_port_block, host_cache, logical
 
 pytestmark = pytest.mark.gpu
 
@@ -118,6 +118,29 @@ def test_auto_picks_ipc_on_one_host(producers, producer_gpu):
         assert cons.read(producers[0].address, C_IDS, P_IDS, "r").wait(120).mode == "ipc"
         got = _host(cache)
     np.testing.assert_array_equal(logical(spec, got, C_IDS), logical(spec, host_cache(spec, 10), P_IDS))
+
+
+@pytest.mark.parametrize("path,layout,want", [("auto", "NHD", "direct"), ("staged", "NHD", "staged"),
+                                               ("direct", "NHD", "direct"), ("auto", "HND", "staged")])
+def test_a_gpu_consumer_reads_a_host_memory_producer_exactly(producers, path, layout, want):
+    """A producer whose cache is host memory (a CPU offload tier) offers host staging under its
+    default ``auto``. A GPU consumer's ``auto`` reads it directly (host -> GPU descriptors), and
+    through the staging (host slots -> GPU slots -> GPU unpack) when forced or when only staging
+    can express the move (the producer's layout is HND, the consumer's NHD)."""
+    from kvxfer import KVSpec
+
+    pspec, cspec = KVSpec(**COMMON, layout=layout), KVSpec(**COMMON)
+    producers.append(HostProducer(pspec, 10, free_port_block(), {"r": P_IDS}, **SMALL))
+    cons, cache = _consumer(cspec, path)
+    with cons:
+        stats = cons.read(producers[0].address, C_IDS, P_IDS, "r").wait(120)
+        got = _host(cache)
+    assert stats.mode == want
+    want_bytes = expect_read(cspec, host_cache(cspec, 99), C_IDS, [(pspec, host_cache(pspec, 10))], P_IDS)
+    np.testing.assert_array_equal(logical(cspec, got, C_IDS), want_bytes)
+    others = [b for b in range(cspec.num_blocks) if b not in set(C_IDS)]
+    np.testing.assert_array_equal(logical(cspec, got, others), logical(cspec, host_cache(cspec, 99), others))
+    assert _poll(lambda: producers[0].ask("holding"), []) == []
 
 
 def test_ipc_read_of_a_request_not_held_is_refused_and_the_next_read_works(producers, producer_gpu):

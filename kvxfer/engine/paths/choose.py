@@ -4,8 +4,8 @@
 a few facts about the request, so it is tested on its own (tests/engine/test_paths.py).
 
 ``auto``: ``ipc`` when every producer rank's cache is mapped here (same host, VRAM on both
-sides); else ``staged`` when the local cache is VRAM, the producers serve staged reads and the
-direct plan would be many short descriptors (more than ``MANY_DESCRIPTORS``, or a mean under
+sides); else ``staged`` when the local cache is VRAM, the producers serve staged reads from GPU
+staging areas and the direct plan would be many short descriptors (more than ``MANY_DESCRIPTORS``, or a mean under
 ``SHORT_DESCRIPTOR`` bytes); else, for a host-memory cache, ``staged`` when the producers serve
 staged reads, sit on another network stack (another machine or container: the bytes cross a
 network, not shared memory) and the direct plan is at least ``HOST_MANY_DESCRIPTORS``
@@ -44,6 +44,7 @@ class PathFacts:
     descriptors: int
     num_bytes: int
     remote: bool = False    # every producer rank is on another network stack than this agent
+    peer_staging_vram: bool = True  # every producer rank's staging area is GPU memory
 
 
 def _many_short(facts: PathFacts) -> bool:
@@ -75,7 +76,7 @@ def choose_path(configured: str, facts: PathFacts) -> TransferPath:
         raise ConfigError(f"transfer_path must be one of auto, ipc, staged, direct; got {configured!r}")
     if facts.ipc_why is None:
         return TransferPath.IPC
-    if facts.staged_why is None and facts.local_vram and _many_short(facts):
+    if facts.staged_why is None and facts.local_vram and facts.peer_staging_vram and _many_short(facts):
         return TransferPath.STAGED
     if facts.staged_why is None and not facts.local_vram and _many_tiny_across_a_network(facts):
         return TransferPath.STAGED

@@ -243,7 +243,8 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
     facts = PathFacts(ipc_why=_first(kit.ipc_why(link) for link in links) if links else "no producer rank",
                       staged_why=_first(kit.staged_why(link) for link in links) if links else "no producer rank",
                       direct_why=direct_why, local_vram=kit.vram, descriptors=descriptors, num_bytes=num_bytes,
-                      remote=bool(links) and all(kit.remote(link) for link in links))
+                      remote=bool(links) and all(kit.remote(link) for link in links),
+                      peer_staging_vram=all(_staging_kind(link) == MemKind.VRAM.value for link in links))
     mode = choose_path(configured, facts)
     return ReadRoute(mode, links, local, remote, request_id, note, chunks,
                      chunked=any(len(c) > 1 for c in chunks))
@@ -290,3 +291,9 @@ def _first(reasons) -> str | None:
         if why is not None:
             return why
     return None
+
+
+def _staging_kind(link) -> str | None:
+    """The memory kind of the producer's announced staging area (None: it offers none)."""
+    staging = link.info.staging
+    return staging.mem_kind if staging is not None else None
