@@ -16,7 +16,7 @@ import numpy as np
 
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.errors import KvxferError, LeaseExpiredError
-from kvxfer.protocol import Abort, Claim, Grant, Refuse
+from kvxfer.protocol import Abort, Claim, Grant, Refuse, pack_ids
 from kvxfer.types import AbortOutcome
 
 __all__ = ["Claims"]
@@ -43,12 +43,18 @@ class Claims:
         """Send the claim to every rank now; returns ``(link, PendingAnswer or the error its send
         raised)`` for ``answers``. ``timeout`` bounds the wait for each answer (default: the
         agent's round-trip timeout; a read passes what is left of its own timeout)."""
-        claim = Claim(request_id, remote_ids.tolist(), self._engine_id, window)
         wait = self._timeout if timeout is None else timeout
         sent: list = []
+        claims: dict[bool, Claim] = {}  # packed (a current peer) or listed (an older one)
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
         for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
+            packed = link.info.packed_ids
+            claim = claims.get(packed)
+            if claim is None:
+                ids = pack_ids(remote_ids) if packed else None
+                claim = claims[packed] = (Claim(request_id, [], self._engine_id, window, ids) if ids is not None
+                                          else Claim(request_id, remote_ids.tolist(), self._engine_id, window))
             try:
                 sent.append((link, link.send(claim, wait)))
             except KvxferError as exc:

@@ -12,11 +12,13 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from kvxfer.errors import KvxferError
+from kvxfer.engine.leases import ClaimResult
+from kvxfer.errors import KvxferError, ProtocolError
 from kvxfer.transport.sessions import LogLimiter
 from kvxfer.layout import expected_notifications
 from kvxfer.protocol import (
     Abort, Ack, Claim, Done, Grant, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse, ServerSession,
+    claim_blocks,
 )
 
 if TYPE_CHECKING:
@@ -88,8 +90,13 @@ class ProducerService:
                     expected = self._expected[consumer_tp] = expected_notifications(self._agent.spec, consumer_tp)
                 except KvxferError as exc:
                     return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
-            result = leases.claim(message.request_id, message.engine_id, message.block_ids, expected,
-                                  window=message.window)
+            try:
+                blocks = claim_blocks(message)
+            except ProtocolError as exc:
+                result = ClaimResult(False, str(exc))
+            else:
+                result = leases.claim(message.request_id, message.engine_id, blocks, expected,
+                                      window=message.window)
             if not result.granted:
                 self._refusals.event("claim", f"refused claim of {message.request_id!r} by "
                                               f"{message.engine_id}: {result.reason}")

@@ -29,7 +29,7 @@ import numpy as np
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.errors import ConfigError
 from kvxfer.layout.request import check_block_ids
-from kvxfer.protocol.messages import engine_named
+from kvxfer.protocol.messages import PACKED_ID, engine_named, pack_ids
 from kvxfer.types import ReleaseReason
 
 __all__ = ["Hold", "LeaseTable", "ClaimResult", "HoldCounts"]
@@ -47,10 +47,18 @@ class Hold:
     named: tuple[str, ...] = ()   # consumer engines that may act on it (``engine_named``); () = anyone
     _members: frozenset | None = None  # ``blocks`` as a set, built when a claim names other ids
     _given: list | None = None         # the ids as ``hold`` got them (a claim usually names exactly these)
+    _packed: bytes = b""               # ``_given`` as ``Claim.packed_ids``
 
     def missing(self, wanted) -> int | None:
-        """The first of ``wanted`` (ints) not held, or None when all are: a list compare when the
-        claim names the held ids in their order, else one C-level set test."""
+        """The first of ``wanted`` (ints, or ``Claim.packed_ids`` bytes) not held, or None when all
+        are: a list or bytes compare when the claim names the held ids in their order, else one
+        C-level set test."""
+        if isinstance(wanted, bytes):
+            if wanted == self._packed:
+                return None
+            wanted = np.frombuffer(wanted, dtype=PACKED_ID)
+            outside = np.flatnonzero(~np.isin(wanted, self.blocks))
+            return int(wanted[outside[0]]) if outside.size else None
         if isinstance(wanted, list) and wanted == self._given:
             return None
         if self._members is None:
@@ -164,7 +172,8 @@ class LeaseTable:
             unique = np.unique(ids)
             deadline = now + (lease or self._lease)
             self._holds[request_id] = Hold(request_id, unique, consumers, deadline,
-                                           named=tuple(named), _given=ids.tolist())
+                                           named=tuple(named), _given=ids.tolist(),
+                                           _packed=pack_ids(ids) or b"")
             self._look_at(request_id, deadline)
 
     def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1,

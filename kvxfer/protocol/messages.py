@@ -15,6 +15,7 @@ import secrets
 from typing import Annotated, Union
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from kvxfer.errors import IncompatiblePeerError, LayoutError, ProtocolError
@@ -45,10 +46,12 @@ __all__ = [
     "StagingWire",
     "Welcome",
     "check_peer_info",
+    "claim_blocks",
     "compat_hash",
     "engine_named",
     "make_peer_info",
     "new_engine_id",
+    "pack_ids",
     "spec_from_wire",
     "spec_to_wire",
 ]
@@ -91,6 +94,7 @@ class SpecWire(msgspec.Struct, frozen=True):
 #: UCX metadata measured 496 B with 2 registered regions, 11.7 KB with 256 and 45 KB with 1024
 #: (about 44 B a region, host memory; GPU regions carry larger keys): 512 KiB leaves a wide margin.
 MAX_LAYERS = 4096
+MAX_PACKED_IDS = 4 << 20  # bytes of ``Claim.packed_ids``: a million block ids
 MAX_BACKEND_METADATA = 512 << 10
 MAX_IPC_HANDLES = 4096
 MAX_REGIONS = MAX_LAYERS
@@ -153,6 +157,8 @@ class PeerInfo(msgspec.Struct, frozen=True):
     # Appended: host identity + network namespace (kvxfer.engine.paths.kit.network_identity): a
     # peer with another value is reached through a network device. Older peers: "" (unknown).
     net_id: Annotated[str, Meta(max_length=1024)] = ""
+    # Appended: this agent reads ``Claim.packed_ids``. Older peers: False (they get lists).
+    packed_ids: bool = False
 
 
 class Hello(_Msg, frozen=True):
@@ -187,6 +193,36 @@ class Claim(_Msg, frozen=True):
     block_ids: list[NonNeg]
     engine_id: Id
     window: Seconds = 0.0
+    # Appended: the ids packed as little-endian uint32 (``block_ids`` then empty), sent only to a
+    # peer whose ``PeerInfo.packed_ids`` is set: neither side turns ids into Python ints.
+    packed_ids: Annotated[bytes, Meta(max_length=MAX_PACKED_IDS)] = b""
+
+
+PACKED_ID = np.dtype("<u4")  # one id of ``Claim.packed_ids``
+
+
+def pack_ids(ids: np.ndarray) -> bytes | None:
+    """``ids`` (a 1-D integer array) as ``Claim.packed_ids``; None when one does not fit 32 bits."""
+    if ids.size and int(ids.max()) >= 1 << 32:
+        return None
+    return ids.astype(PACKED_ID, copy=False).tobytes()
+
+
+def claim_blocks(msg: Claim) -> bytes | list[int]:
+    """The block ids ``msg`` names: its packed bytes (``PACKED_ID`` each) or its list.
+
+    Raises:
+        ProtocolError: both forms are set, or the packed bytes are not whole ids.
+    """
+    if not msg.packed_ids:
+        return msg.block_ids
+    if msg.block_ids:
+        raise ProtocolError(f"Claim names {len(msg.block_ids)} listed and "
+                            f"{len(msg.packed_ids) // PACKED_ID.itemsize} packed block ids: expected one form")
+    if len(msg.packed_ids) % PACKED_ID.itemsize:
+        raise ProtocolError(f"Claim.packed_ids is {len(msg.packed_ids)} bytes: expected a multiple of "
+                            f"{PACKED_ID.itemsize}")
+    return msg.packed_ids
 
 
 class Grant(_Msg, frozen=True):
@@ -399,5 +435,5 @@ def make_peer_info(
         bases=geometry.bases.tolist(), device=int(geometry.device),
         mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
         listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
-        multiplexed=bool(multiplexed), express_port=int(express_port),
+        multiplexed=bool(multiplexed), express_port=int(express_port), packed_ids=True,
     )

@@ -26,7 +26,7 @@ from proto_helpers import codec, info, spec
 #: The appended PeerInfo fields an old peer neither sends nor reads: the GPU paths, then the
 #: multiplexed listener (request ids on the side channel).
 GPU_FIELDS = ("host_id", "ipc", "staging")
-NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id")
+NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id", "packed_ids")
 #: The messages the old peer's union does not have.
 NEWER = (Done, PackRequest, PackReady)
 
@@ -93,7 +93,8 @@ def test_appended_fields_are_last_and_defaulted():
     fields = msgspec.structs.fields(PeerInfo)
     assert tuple(f.name for f in fields[-len(NEWER_FIELDS):]) == NEWER_FIELDS
     assert {f.name: f.default for f in fields[-len(NEWER_FIELDS):]} == dict(host_id="", ipc=None, staging=None,
-                                                                           multiplexed=False, express_port=0, net_id="")
+                                                                           multiplexed=False, express_port=0, net_id="",
+                                                                           packed_ids=False)
     assert OLD_FIELDS == tuple(f.name for f in fields[:-len(NEWER_FIELDS)])
 
 
@@ -106,7 +107,7 @@ def test_old_hello_decodes_with_gpu_path_defaults_and_every_other_field_intact()
     assert isinstance(msg, Hello)
     assert (msg.info.host_id, msg.info.ipc, msg.info.staging, msg.info.multiplexed) == ("", None, None, False)
     # every other field compares (the test PeerInfo has the GPU defaults; an old peer is not multiplexed)
-    assert msg.info == msgspec.structs.replace(current, multiplexed=False)
+    assert msg.info == msgspec.structs.replace(current, multiplexed=False, packed_ids=False)
     spec_, geometry = check_peer_info(msg.info, codec().compat)
     assert spec_ == spec() and geometry.bases.tolist() == current.bases
 
