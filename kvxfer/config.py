@@ -9,7 +9,8 @@ from typing import Any
 from kvxfer.errors import ConfigError
 from kvxfer.types import TransferPath
 
-__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "TRANSFER_PATHS", "parse_flag", "parse_seconds"]
+__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "PROGRESS_THREAD_MIN_CORES", "TRANSFER_PATHS", "parse_flag",
+           "parse_seconds", "progress_thread_wanted"]
 
 #: Ways ``Agent.read`` may move a request (see ``AgentConfig.transfer_path``).
 TRANSFER_PATHS = ("auto", "ipc", "staged", "direct")
@@ -65,6 +66,23 @@ def _env_float(name: str) -> float | None:
     return value
 
 
+#: ``nixl_progress_thread=None`` (auto) runs NIXL's busy-polling progress thread only where the
+#: process may use at least this many cores.
+PROGRESS_THREAD_MIN_CORES = 8
+
+
+def progress_thread_wanted(setting: bool | None) -> bool:
+    """Whether an agent runs NIXL's progress thread: ``setting`` itself, or for ``None`` (auto)
+    whether this process may use ``PROGRESS_THREAD_MIN_CORES`` cores or more."""
+    if setting is not None:
+        return setting
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return cores >= PROGRESS_THREAD_MIN_CORES
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """How an Agent talks to its peers.
@@ -95,10 +113,13 @@ class AgentConfig:
         pipeline_slot_bytes, pipeline_slots: the staged pipeline's registered staging area
             (``slots`` x ``slot_bytes``; one piece moves as one descriptor of at most a slot).
         nixl_progress_thread: run NIXL's own progress thread (env ``KVXFER_NIXL_PROGRESS_THREAD``,
-            ``0``/``1``; default on, as NIXL does). NIXL 1.5 polls in that thread without sleeping,
-            so each agent keeps one core busy even when idle; on hosts with few cores turn it off:
-            the agent's progress loop then drives UCX (transports that need the target to progress,
-            such as TCP, move data only when the producer's loop polls, every 1 ms while it holds blocks).
+            ``0``/``1``/``auto``). NIXL 1.5 polls in that thread without sleeping, so each agent
+            keeps one core busy even when idle. ``None`` (``auto``, the default): on where this
+            process may use at least ``PROGRESS_THREAD_MIN_CORES`` cores, off below (on a 2-core
+            host the spinning threads took most of the CPU the transfers needed: docs/benchmarks.md,
+            "NIXL's progress thread"). Off, the agent's progress loop drives UCX: it polls without
+            pause while its own transfers are in flight, and a producer polls every 1 ms while it
+            holds blocks, which serves transports that need the target to progress, such as TCP.
         metrics_port: serve Prometheus metrics over HTTP from this base port (env ``KVXFER_METRICS_PORT``;
             ``None``, the default: no metrics; ``0``: a free port, read it from ``Agent.metrics_address``).
             Like the side channel, TP rank r of DP rank d serves on ``base + d * tp_size + r``.
@@ -127,7 +148,7 @@ class AgentConfig:
     transfer_path: str | TransferPath = "auto"
     pipeline_slot_bytes: int = 16 << 20
     pipeline_slots: int = 8
-    nixl_progress_thread: bool = True
+    nixl_progress_thread: bool | None = None
     metrics_port: int | None = None
     express_port: int | None = 0
 
@@ -158,8 +179,9 @@ class AgentConfig:
         pi = self.progress_interval
         if isinstance(pi, bool) or not isinstance(pi, (int, float)) or not 0 <= pi <= 1:
             raise ConfigError(f"progress_interval must be a number of seconds in [0, 1]; got {pi!r}")
-        if not isinstance(self.nixl_progress_thread, bool):
-            raise ConfigError(f"nixl_progress_thread must be True or False; got {self.nixl_progress_thread!r}")
+        if self.nixl_progress_thread is not None and not isinstance(self.nixl_progress_thread, bool):
+            raise ConfigError(f"nixl_progress_thread must be True, False or None (auto); "
+                              f"got {self.nixl_progress_thread!r}")
         if self.metrics_port is not None and (isinstance(self.metrics_port, bool)
                                               or not isinstance(self.metrics_port, int)
                                               or not 0 <= self.metrics_port <= 65535):
@@ -193,9 +215,9 @@ class AgentConfig:
         thread = os.environ.get("KVXFER_NIXL_PROGRESS_THREAD")
         if thread:
             flag = thread.strip().lower()
-            if flag not in ("0", "1", "true", "false", "on", "off"):
-                raise ConfigError(f"KVXFER_NIXL_PROGRESS_THREAD must be 0 or 1; got {thread!r}")
-            values["nixl_progress_thread"] = flag in ("1", "true", "on")
+            if flag not in ("0", "1", "true", "false", "on", "off", "auto"):
+                raise ConfigError(f"KVXFER_NIXL_PROGRESS_THREAD must be 0, 1 or auto; got {thread!r}")
+            values["nixl_progress_thread"] = None if flag == "auto" else flag in ("1", "true", "on")
         interval = os.environ.get("KVXFER_PROGRESS_INTERVAL")
         if interval and interval.strip():
             try:

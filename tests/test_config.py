@@ -1,24 +1,37 @@
 """AgentConfig: environment variables and validation (typed errors naming the bad value)."""
 
+import os
+
 import pytest
 
 from kvxfer import AgentConfig, ConfigError
+from kvxfer.config import PROGRESS_THREAD_MIN_CORES, progress_thread_wanted
 
 
-@pytest.mark.parametrize("raw,want", [("0", False), ("off", False), ("1", True), ("True", True)])
+@pytest.mark.parametrize("raw,want", [("0", False), ("off", False), ("1", True), ("True", True), ("auto", None)])
 def test_nixl_progress_thread_from_env(monkeypatch, raw, want):
     monkeypatch.setenv("KVXFER_NIXL_PROGRESS_THREAD", raw)
     assert AgentConfig.from_env().nixl_progress_thread is want
 
 
-def test_nixl_progress_thread_defaults_on_and_rejects_junk(monkeypatch):
+def test_nixl_progress_thread_defaults_to_auto_and_rejects_junk(monkeypatch):
     monkeypatch.delenv("KVXFER_NIXL_PROGRESS_THREAD", raising=False)
-    assert AgentConfig.from_env().nixl_progress_thread is True
+    assert AgentConfig.from_env().nixl_progress_thread is None
+    assert AgentConfig().nixl_progress_thread is None
     monkeypatch.setenv("KVXFER_NIXL_PROGRESS_THREAD", "sometimes")
-    with pytest.raises(ConfigError, match="KVXFER_NIXL_PROGRESS_THREAD must be 0 or 1; got 'sometimes'"):
+    with pytest.raises(ConfigError, match="KVXFER_NIXL_PROGRESS_THREAD must be 0, 1 or auto; got 'sometimes'"):
         AgentConfig.from_env()
-    with pytest.raises(ConfigError, match="nixl_progress_thread must be True or False; got 'yes'"):
+    with pytest.raises(ConfigError, match=r"nixl_progress_thread must be True, False or None \(auto\); got 'yes'"):
         AgentConfig(nixl_progress_thread="yes")
+
+
+@pytest.mark.parametrize("cores,want", [(1, False), (2, False), (PROGRESS_THREAD_MIN_CORES - 1, False),
+                                        (PROGRESS_THREAD_MIN_CORES, True), (64, True)])
+def test_auto_runs_the_progress_thread_only_with_enough_cores(monkeypatch, cores, want):
+    """Auto counts the cores this process may run on (its affinity, not the machine's)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert progress_thread_wanted(None) is want
+    assert progress_thread_wanted(True) is True and progress_thread_wanted(False) is False
 
 
 @pytest.mark.parametrize("raw,want", [("9100", 9100), (" 0 ", 0), ("", None)])

@@ -28,7 +28,7 @@ from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.config import AgentConfig
+from kvxfer.config import AgentConfig, progress_thread_wanted
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator
@@ -81,7 +81,7 @@ class Agent:
             from kvxfer.backend.nixl import NixlBackend  # lazy: only this module of the agent needs nixl
 
             backend = NixlBackend(f"{self.engine_id}", self.config.backends,
-                                  progress_thread=self.config.nixl_progress_thread)
+                                  progress_thread=progress_thread_wanted(self.config.nixl_progress_thread))
         self._backend = backend
         self._codec = Codec(compat_hash(spec), key=self.config.auth_key,
                             max_bytes=self.config.max_message_bytes)

@@ -123,8 +123,9 @@ class NixlBackend:
         name: agent name, unique among the agents that will talk to each other.
         backends: NIXL plugins to instantiate (``("UCX",)`` by default).
         num_threads: worker threads for plugins that take them (0: the plugin's default).
-        progress_thread: NIXL's own progress thread (on by default; it busy-polls, see
-            ``AgentConfig.nixl_progress_thread``). Off, the caller's polls drive the transport.
+        progress_thread: NIXL's own progress thread (on by default, as in NIXL; it busy-polls,
+            see ``AgentConfig.nixl_progress_thread``, whose default decides by the host's cores).
+            Off, the caller's polls (``state``, ``notifications``) drive the transport.
 
     Raises:
         ConfigError: a backend name this NIXL build does not offer (the message lists those it does),
@@ -148,6 +149,7 @@ class NixlBackend:
             raise ConfigError(f"num_threads must be an int >= 0; got {num_threads!r}")
         self.name = name
         self.backends = backends
+        self.progress_thread = bool(progress_thread)
         self._lock = threading.RLock()
         self._nx = _Boundary(name)
         # UCX reads its environment when the agent below creates its context: fill kvxfer's TCP

@@ -34,6 +34,11 @@ class Mailbox:
         for sender, raw in self.backend.notifications():
             (self._control if raw[:4] == GO else self._pipe)[sender].append(raw)
 
+    def poll(self) -> None:
+        """Progress the agent once, keeping whatever notifications arrived."""
+        with self._lock:
+            self._drain()
+
     def pipe(self, sender: str) -> list[bytes]:
         with self._lock:
             self._drain()

@@ -359,6 +359,20 @@ def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
     return {"rounds": rounds}
 
 
+def drive(w) -> dict:
+    """Producer half of the raw NIXL methods: nothing when the raw agent runs NIXL's progress
+    thread; else poll the agent until the orchestrator's next command (``Worker.release``), since
+    transports such as TCP move a read's bytes only while the target progresses."""
+    polls = 0
+    if not w.backend.progress_thread:
+        deadline = time.monotonic() + 4 * _DEADLINE
+        while not w.interrupted() and time.monotonic() < deadline:
+            w.mailbox.poll()
+            polls += 1
+            time.sleep(0)
+    return {"polls": polls}
+
+
 def hold_agent(w, consumer, request, tokens, rounds, options):
     """Before ``kvxfer-agent`` is timed: hold every round's request, so the consumer's first
     claim (at once, when the agents are already connected) finds it held."""
@@ -424,6 +438,8 @@ PREPARE: dict[str, Callable[..., dict]] = {
 }
 
 PRODUCER: dict[str, Callable[..., dict]] = {
+    "nixl-per-block": lambda w, *a: drive(w),
+    "nixl-1desc": lambda w, *a: drive(w),
     "kvxfer-staged-read": lambda *a: serve_staged(*a, direction="read"),
     "kvxfer-staged-write": lambda *a: serve_staged(*a, direction="write"),
     "kvxfer-agent": serve_agent,

@@ -229,11 +229,14 @@ def _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p,
                                 iters=cfg.iters, warmup=cfg.warmup, options=options)
         except Exception as exc:  # the consumer's error first; then reap the producers
             res = {"error": str(exc)[-3000:]}
-        for p in producers:  # every producer replies once per serve, error or not
-            try:
-                p.recv(timeout=300)
-            except Exception as exc:
-                res.setdefault("producer_errors", []).append(str(exc)[-1500:])
+        for p in producers:  # ends a serve that runs until told (``drive``)
+            p.send("release")
+        for p in producers:  # every producer replies once per serve and once per release, error or not
+            for _ in range(2):
+                try:
+                    p.recv(timeout=300)
+                except Exception as exc:
+                    res.setdefault("producer_errors", []).append(str(exc)[-1500:])
         if res.get("producer_errors") and "error" not in res:  # e.g. it never learnt a read was done
             res["error"] = "producer failed: " + res["producer_errors"][0]
         return res

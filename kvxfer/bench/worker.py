@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -32,6 +32,7 @@ def worker_main(conn: Any, env: dict[str, str], host: Any = None) -> None:
         host.enter()  # before any socket or NIXL agent exists in this process
     os.environ.update(env)
     worker = Worker()
+    worker.interrupted = lambda: conn.poll(0)  # a command waits: a serve that runs until told ends
     while True:
         try:
             name, kwargs = conn.recv()
@@ -55,6 +56,7 @@ class Worker:
         self.cache: BenchCache | None = None
         self.peers: dict[str, dict] = {}
         self.extra: dict[str, Any] = {}
+        self.interrupted: Callable[[], bool] = lambda: False  # set by worker_main: a command waits
 
     # ---- set-up ----------------------------------------------------------------------
     def setup(self, name: str, spec: KVSpec, device: str, seed: int, link_bytes: int,
@@ -67,7 +69,14 @@ class Worker:
         self.name, self.device, self.seed = name, device, seed
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
-        self.backend = NixlBackend(name)
+        # The raw baseline's agent runs NIXL's progress thread exactly when kvxfer's agents do
+        # (KVXFER_NIXL_PROGRESS_THREAD, default auto): an extra agent spinning beside the one
+        # measured would tax only the other side of each ratio. Without the thread, a producer
+        # polls its agent while a raw method is measured (``drive``), as a kvxfer producer does.
+        from kvxfer.config import AgentConfig, progress_thread_wanted  # noqa: PLC0415
+
+        thread = progress_thread_wanted(AgentConfig.from_env().nixl_progress_thread)
+        self.backend = NixlBackend(name, progress_thread=thread)
         self.mailbox = Mailbox(self.backend)
         self.cache = make_cache(spec, device)
         fill_random(self.cache, seed)
@@ -184,6 +193,9 @@ class Worker:
         if fn is None:
             return {"rounds": 0}
         return fn(self, consumer, request, tokens, rounds, options)
+
+    def release(self) -> None:
+        """Sent after every ``measure``: its arrival ends a ``serve`` that runs until told."""
 
     def peer_copy(self, src_device: str, nbytes: int, iters: int, warmup: int) -> dict:
         """torch copy of ``nbytes`` from ``src_device`` into this GPU (the link's practical limit)."""

@@ -129,14 +129,17 @@ def test_unknown_backend_lists_what_nixl_offers():
         Agent("x", KVSpec(**COMMON), AgentConfig(backends=("NO_SUCH_PLUGIN",)))
 
 
-def test_read_with_nixl_progress_threads_off_on_both_sides(producers):
-    # Small hosts turn NIXL's busy-polling progress thread off; the agents' own loops then
-    # drive UCX, and a read must still complete byte for byte and release the producer's hold.
+@pytest.mark.parametrize("thread", [False, True], ids=["threads-off", "threads-on"])
+def test_read_with_nixl_progress_threads_off_or_on_on_both_sides(producers, thread):
+    # Hosts with few cores run without NIXL's busy-polling progress thread (the default decides
+    # by the cores, so this CI host runs without it): the agents' own loops then drive UCX. Both
+    # settings, forced: a read completes byte for byte and releases the producer's hold.
     spec = KVSpec(**COMMON)
     src_ids, dst_ids = [9, 1, 30, 31, 12], [0, 40, 41, 7, 8]
-    prod = Producer(spec, seed=4, port=free_port_block(), holds={"q": src_ids}, nixl_progress_thread=False)
+    prod = Producer(spec, seed=4, port=free_port_block(), holds={"q": src_ids}, nixl_progress_thread=thread)
     producers.append(prod)
-    cons, cache = consumer(spec, nixl_progress_thread=False)
+    cons, cache = consumer(spec, nixl_progress_thread=thread)
+    assert cons._backend.progress_thread is thread
     with cons:
         cons.read(prod.address, dst_ids, src_ids, "q").wait(120)  # a bound, not a speed check
         src = cache_for(spec, 4)
