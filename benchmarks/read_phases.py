@@ -2,7 +2,7 @@
 tables or kernel launch, claim round trip) and the wait for completion, with a cProfile of the
 calls. Two processes (producer spawned), Llama-3-8B-shaped cache, fragmented block ids.
 
-Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 8192] [--reads 40] [--profile]
+Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 8192] [--reads 40] [--profile] [--fine]
 """
 
 import argparse
@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=5950)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--profile", action="store_true", help="also cProfile the calls (a second run: it inflates times)")
+    ap.add_argument("--fine", action="store_true", help="also time the steps inside path choice and launch")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="pause between reads (the previous read's Done goes out in the background meanwhile)")
     args = ap.parse_args()
     blocks = args.tokens // SHAPE["block_size"]
     spec = KVSpec(**SHAPE, num_blocks=4 * blocks)
@@ -87,12 +90,28 @@ def main() -> None:
     reading.ReadRoute.start = _timed("ReadRoute.start (kernel launch / parts)", reading.ReadRoute.start)
     claims_mod.Claims.send = _timed("claim sent", claims_mod.Claims.send)
     claims_mod.Claims.answers = _timed("claim answers awaited (after start)", claims_mod.Claims.answers)
+    if args.fine:  # inside the steps above (their own spans include these)
+        import kvxfer.engine.paths.kit as kit_mod
+        import kvxfer.engine.transfers as transfers_mod
+
+        core.check_block_ids = _timed("  . id checks in Agent.read (each)", core.check_block_ids)
+        reading.direct_pairs = _timed("  . direct_pairs (IPC tables)", reading.direct_pairs)
+        kit_mod.PathKit.launch_and_record = _timed("  . launch_and_record (upload, launch, event)",
+                                                   kit_mod.PathKit.launch_and_record)
+        transfers_mod.TransferEngine.submit = _timed("  . engine submit", transfers_mod.TransferEngine.submit)
+        if args.device != "cpu":
+            import kvxfer.gpu.ops as ops
+
+            ops.PairKernel.launch = _timed("  . . PairKernel.launch", ops.PairKernel.launch)
+            ops.PairKernel._ids = _timed("  . . . id upload", ops.PairKernel._ids)
     calls, waits, claims, modes = [], [], [], set()
     prof = cProfile.Profile()
     cfg = AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=args.port + 1)
     with Agent("consumer", spec, cfg) as ag:
         ag.register(cache)
         for i, rid in enumerate(rids):
+            if args.gap_ms:
+                time.sleep(args.gap_ms / 1e3)
             t0 = time.perf_counter()
             if i == warm:
                 SPANS.clear()
