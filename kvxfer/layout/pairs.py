@@ -192,25 +192,30 @@ def _cache_side(spec: KVSpec, geom: CacheGeometry, ids: np.ndarray, head: int) -
     return Side(geom.bases.reshape(-1), ids, spec.block_stride, spec.block_size, ts, hs, head)
 
 
-def _shape(src: KVSpec, src_ids, dst: KVSpec, dst_ids, num_tokens):
+def _shape(src: KVSpec, src_ids, dst: KVSpec, dst_ids, num_tokens, checked: bool = False):
     ov = overlap(src, dst)
     if ov is None:
         raise LayoutError(f"source rank {src.tp_rank}/{src.tp_size} holds no head destination rank "
                           f"{dst.tp_rank}/{dst.tp_size} needs")
-    s_ids, d_ids = _ids(src, src_ids, "source"), _ids(dst, dst_ids, "destination")
+    if checked:
+        s_ids, d_ids = src_ids, dst_ids
+    else:
+        s_ids, d_ids = _ids(src, src_ids, "source"), _ids(dst, dst_ids, "destination")
     chunk = math.gcd(src.block_size, dst.block_size)
     tokens = request_tokens(src, s_ids, dst, d_ids, num_tokens)
     return ov, s_ids, d_ids, chunk, tokens // chunk
 
 
 def direct_pairs(src: KVSpec, src_geom: CacheGeometry, src_ids, dst: KVSpec, dst_geom: CacheGeometry,
-                 dst_ids, num_tokens: int | None = None) -> PairCopy:
+                 dst_ids, num_tokens: int | None = None, *, checked: bool = False) -> PairCopy:
     """Cache-to-cache copy (the same-host single pass): source blocks straight into destination blocks.
 
     ``src_geom`` holds addresses the copying process can read (e.g. a peer's cache mapped through
     CUDA IPC). Pairs are in wire order; ``num_tokens`` defaults to what both id lists hold.
+    ``checked``: both id arrays already passed ``check_block_ids`` against these specs (1-D
+    int64, distinct, in range), so they are not checked again.
     """
-    ov, s_ids, d_ids, chunk, n = _shape(src, src_ids, dst, dst_ids, num_tokens)
+    ov, s_ids, d_ids, chunk, n = _shape(src, src_ids, dst, dst_ids, num_tokens, checked)
     return PairCopy(_cache_side(src, src_geom, s_ids, ov.src_head),
                     _cache_side(dst, dst_geom, d_ids, ov.dst_head),
                     src.num_layers * src.kv_count * n, n, chunk, ov.heads, src.vector_bytes)

@@ -33,17 +33,16 @@ def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> n
         return np.zeros(0, dtype=np.int64)
     if a.dtype.kind not in "iu":
         raise BlockIdError(f"{side} block ids must be integers; got dtype {a.dtype}")
-    hi, lo = a.max(), a.min()
+    s = np.sort(a)  # gives the range too: one pass fewer than max() and min()
+    lo, hi = s[0], s[-1]
     if lo < 0 or hi >= bound:
         bad = lo if lo < 0 else hi
         raise BlockIdError(f"{side} block id {int(bad)} is outside [0, {bound})")
-    a = a.astype(np.int64, copy=False)
     if a.size > 1:
-        s = np.sort(a)
         dup = s[1:] == s[:-1]
         if dup.any():
             raise BlockIdError(f"{side} block ids must be distinct; got {int(s[1:][dup][0])} twice")
-    return a
+    return a.astype(np.int64, copy=False)
 
 
 def merge_rows(loc: np.ndarray, rem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

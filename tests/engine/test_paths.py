@@ -166,3 +166,23 @@ def test_stopped_link_raises_its_error_and_closing_frees_the_tag():
     router.close(link)
     assert router.active() == 0
     router.open("a", 3)
+
+
+def test_the_ipc_id_check_still_names_a_remote_id_beyond_the_producers_cache():
+    """``plan_read``'s id check on the IPC path relies on ``Agent.read``'s checks and tests only
+    the remote bound; an id past the producer's cache is still a typed error naming id and bound."""
+    import numpy as np
+
+    from kvxfer import BlockIdError, KVSpec
+    from kvxfer.engine.paths.reading import _check_ids
+    from kvxfer.layout.request import check_block_ids
+
+    small = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float16")
+    big = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64, dtype="float16")
+    local = check_block_ids("local", [0, 1, 2], big.num_blocks)
+    _check_ids(big, local, small, check_block_ids("remote", [3, 15, 7], 1 << 62))  # in range: passes
+    with pytest.raises(BlockIdError, match=r"remote block id 40 is outside \[0, 16\)"):
+        _check_ids(big, local, small, check_block_ids("remote", [3, 40, 7], 1 << 62))
+    with pytest.raises(BlockIdError, match="same tokens"):
+        _check_ids(big, local, small, check_block_ids("remote", [3, 4], 1 << 62))
+    assert np.array_equal(local, [0, 1, 2])

@@ -138,7 +138,7 @@ class ReadRoute:
         parts = []
         for link in self.links:
             copy = direct_pairs(link.spec, kit.mapped(link).geometry, self.remote, view.spec, view.geometry,
-                                self.local)
+                                self.local, checked=True)  # plan_read checked both against these specs
             launches, event = kit.launch_and_record([copy])
             parts.append(Part(link.agent_name, None, link.view.geometry.kind, self.note,
                               job=IpcJob(launches, event, copy.nbytes, 1)))
@@ -276,9 +276,13 @@ def chunk_request(plan, req, local: np.ndarray, remote: np.ndarray, capacity: in
 
 
 def _check_ids(local_spec, local: np.ndarray, remote_spec, remote: np.ndarray) -> None:
-    """The checks the layout plan runs on a request's ids, without building its descriptors."""
-    check_block_ids("local", local, local_spec.num_blocks)
-    check_block_ids("remote", remote, remote_spec.num_blocks)
+    """The checks the layout plan runs on a request's ids, without building its descriptors.
+
+    ``local`` and ``remote`` come from ``Agent.read``'s ``check_block_ids`` (1-D int64, distinct,
+    local ids below ``local_spec.num_blocks``): only the remote ids' bound, which that check could
+    not know, is left to test."""
+    if remote.size and int(remote.max()) >= remote_spec.num_blocks:
+        check_block_ids("remote", remote, remote_spec.num_blocks)  # raises, naming the id and the bound
     if local.size * local_spec.block_size != remote.size * remote_spec.block_size:
         raise BlockIdError(
             f"local and remote block lists must cover the same tokens; local {local.size} blocks x "
