@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from kvxfer.errors import KvxferError, TransferTimeoutError
 
 __all__ = ["TransferHandle", "TransferStats"]
+
+# How long ``wait`` polls the request itself before it sleeps on the engine's progress thread:
+# long enough to cover a small request's copy, short enough that a long transfer's waiter
+# does not take a core from the threads moving it.
+SPIN_SECONDS = 0.002
 
 
 @dataclass
@@ -39,12 +46,15 @@ class TransferStats:
 class TransferHandle:
     """One request's transfer, possibly spread over several peer ranks.
 
-    Completed exactly once, by the engine's progress thread, with stats or an error.
+    Completed exactly once, with stats or an error: by the engine's progress thread, or by a
+    waiter's own poll (``wait`` and ``done`` poll the request once it is posted, so a request
+    that already finished completes without a hand-over between threads).
     ``wait`` and ``await`` re-raise the error; ``done`` never raises.
     """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        self._poke: Callable[[], None] | None = None  # polls this request once (set by the engine)
         self._event = threading.Event()
         self._error: KvxferError | None = None
         self._stats: TransferStats | None = None
@@ -58,6 +68,7 @@ class TransferHandle:
             if self._event.is_set():
                 return False
             self._stats, self._error = stats, error
+            self._poke = None
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
@@ -74,6 +85,9 @@ class TransferHandle:
 
     # ---- user side ---------------------------------------------------------------
     def done(self) -> bool:
+        poke = self._poke
+        if poke is not None and not self._event.is_set():
+            poke()
         return self._event.is_set()
 
     def exception(self) -> KvxferError | None:
@@ -86,7 +100,21 @@ class TransferHandle:
         Raises:
             TransferTimeoutError: ``timeout`` seconds passed first (the transfer goes on).
         """
-        if not self._event.wait(timeout):
+        left = timeout
+        poke = self._poke
+        if poke is not None and not self._event.is_set():
+            # Poll the request here for a moment: a small request is usually complete by now,
+            # and completing it on this thread saves waking it from the progress thread.
+            started = time.monotonic()
+            until = started + (SPIN_SECONDS if timeout is None else min(SPIN_SECONDS, max(timeout, 0.0)))
+            while True:
+                poke()
+                if self._event.is_set() or time.monotonic() >= until:
+                    break
+                time.sleep(0)
+            if timeout is not None:
+                left = max(0.0, timeout - (time.monotonic() - started))
+        if not self._event.wait(left):
             raise TransferTimeoutError(
                 f"request {self.request_id!r} not complete within {timeout} s"
             )

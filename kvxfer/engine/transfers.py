@@ -97,6 +97,7 @@ class _Request:
     error: KvxferError | None = None        # set once the request failed: it is draining
     drain_until: float = 0.0
     stats: TransferStats = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one poller at a time
 
     def __post_init__(self) -> None:
         self.stats = TransferStats(
@@ -118,7 +119,8 @@ class EngineCounts:
 
 
 class TransferEngine:
-    """Tracks in-flight requests over one backend. Thread-safe; ``progress`` is called by one thread.
+    """Tracks in-flight requests over one backend. Thread-safe; ``progress`` is called by one
+    thread, and a request's waiter may poll that request too (``TransferHandle.wait``).
 
     Args:
         backend: the transport agent.
@@ -195,6 +197,8 @@ class TransferEngine:
             self._requests[request_id] = req
         if not parts:
             self._succeed(req)
+        else:
+            handle._poke = lambda: self._poke(req)
         return handle
 
     def _check_not_quarantined(self, ids: np.ndarray) -> None:
@@ -237,18 +241,37 @@ class TransferEngine:
             requests = list(self._requests.values())
             quarantined = list(self._quarantine.values())
         for req in requests:
-            if req.error is None:
-                try:
-                    self._poll(req)
-                except KvxferError as exc:
-                    self._fail(req, exc)
-            if req.error is not None:
-                self._drain(req)
+            with req.lock:
+                if req.error is None:
+                    try:
+                        self._poll(req)
+                    except KvxferError as exc:
+                        self._fail(req, exc)
+                if req.error is not None:
+                    self._drain(req)
         for req in quarantined:
             if self._end_parts(req, wait=False):
                 with self._lock:
                     self._quarantine.pop(req.handle.request_id, None)
                 self._on_reclaimed(req.handle.request_id)
+
+    def _poke(self, req: _Request) -> None:
+        """Poll ``req`` once from its waiter's thread; nothing if another thread is polling it.
+
+        A failure is recorded here and drained by the progress thread, like one it found."""
+        if not req.lock.acquire(blocking=False):
+            return
+        try:
+            if req.finished or req.error is not None or self._closed:
+                return
+            try:
+                self._poll(req)
+            except KvxferError as exc:
+                self._fail(req, exc)
+            except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
+                return
+        finally:
+            req.lock.release()
 
     def _poll(self, req: _Request) -> None:
         for part in req.parts:

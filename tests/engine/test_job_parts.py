@@ -43,8 +43,8 @@ def test_job_part_completes_then_notifies_the_peer_with_the_stats_of_the_job():
     handle = engine.submit("r", Direction.READ, [Part("peer", None, MemKind.VRAM, b"done-note", job=job)],
                            timeout=10, mode="ipc")
     engine.progress()
-    engine.progress()
-    assert not handle.done() and peer.notifications() == []
+    assert not handle.done() and peer.notifications() == []   # done() polled it: the second poll
+    assert job.polls == 2
     engine.progress()
     stats = handle.wait(0)
     assert (stats.mode, stats.num_bytes, stats.descriptors, stats.peers) == ("ipc", 1000, 3, 1)
