@@ -4,13 +4,15 @@ and at 4,096 fragmented blocks: numpy does the per-block work, so the counts mus
 within a small margin. A count, not a timing. Waiting code that polls (the side channel's
 reply, locks, events) makes more calls on a slow machine and is left out; each size takes the
 least of three reads, with the garbage collector off (a collection runs other objects'
-finalizers on this thread)."""
+finalizers on this thread). ``wait`` polls the request once instead of for up to
+``SPIN_SECONDS``, whose number of polls also follows the clock."""
 
 import gc
 import sys
 
 import numpy as np
 
+import kvxfer.engine.handles as handles
 from agent_helpers import spec
 
 
@@ -35,7 +37,8 @@ def _calls(fn) -> int:
     return n
 
 
-def test_read_makes_as_many_calls_for_4096_blocks_as_for_64(harness):
+def test_read_makes_as_many_calls_for_4096_blocks_as_for_64(harness, monkeypatch):
+    monkeypatch.setattr(handles, "SPIN_SECONDS", 0.0)
     s = spec(num_blocks=8192, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
     prod, _ = harness.agent(s, seed=1)
     cons, _ = harness.agent(s, seed=2, listen=False)
