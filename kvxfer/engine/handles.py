@@ -124,6 +124,11 @@ class TransferHandle:
         return self._stats
 
     def __await__(self):
+        if self.done():  # polls the request once: a finished one needs no trip through the loop
+
+            if self._error is not None:
+                raise self._error
+            return self._stats
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -134,7 +139,7 @@ class TransferHandle:
         return (yield from future.__await__())
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        state = "done" if self._event.is_set() else "pending"
         return f"<TransferHandle {self.request_id!r} {state}>"
 
 

@@ -124,3 +124,18 @@ def test_the_deadline_holds_for_a_waiter_too():
     engine.progress()
     with pytest.raises(TransferTimeoutError, match="after its window closed"):
         handle.wait(0)
+
+
+def test_await_completes_a_finished_request_with_no_progress_thread():
+    import asyncio
+
+    engine, peer = _engine()
+    job = FlagJob()
+    handle = _submit(engine, "r", job)
+    job.finished.set()
+
+    async def main():
+        return await handle
+
+    assert asyncio.run(main()).num_bytes == 64
+    assert peer.notifications() == [("me", b"note-r")]
