@@ -8,7 +8,13 @@ the link sat idle (``--idle-ms``):
   producer's process: the floor a request/response can reach between two Python processes;
 - ``express``: a claim of 512 blocks on the session's express lane (the default);
 - ``zmq multiplexed``: the same claim on the ZMQ side channel (``express_port=None``);
-- ``zmq serial``: ZMQ, one request at a time (what a peer without ``PeerInfo.multiplexed`` gets).
+- ``zmq serial``: ZMQ, one request at a time (what a peer without ``PeerInfo.multiplexed`` gets);
+- ``codec only``: no I/O at all: the same claim framed by the client's session, decoded as the
+  server decodes it, its ``Grant`` framed and decoded as the client checks it, all on the
+  caller's thread. Both ends run at least this much Python per claim, so this row is a floor
+  for any claim carried by the protocol's Python, whatever the socket: where it alone comes near
+  twice the socket's round trip (after idle on a VM whose caches went cold), no transport change
+  can take the claim there.
 
 Run:  .venv/bin/python benchmarks/claim_latency.py [--requests 30] [--idle-ms 10] [--json out.json]
 """
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 from nixl_peers import Producer, _producer, cache_for, free_port_block  # noqa: E402
 
 from kvxfer import Agent, AgentConfig, KVSpec  # noqa: E402
+from kvxfer.protocol import Claim, Grant, pack_ids  # noqa: E402
 
 
 def _echo_forever(port: int) -> None:
@@ -68,7 +75,7 @@ def main() -> None:
                   dtype="bfloat16", model="claim-bench")
     ids = np.random.default_rng(0).permutation(1024)[:512]
     n = args.requests
-    kinds = ["socket", "express", "zmq multiplexed", "zmq serial"]
+    kinds = ["socket", "express", "zmq multiplexed", "zmq serial", "codec only"]
     echo_port = free_port_block(1)
     prod = EchoProducer(spec, 1, free_port_block(), {f"r{i}": ids for i in range(2 * n)}, echo_port)
     agents = {
@@ -86,8 +93,21 @@ def main() -> None:
         assert all(link.client.express for link in links["express"]), "the express lane did not attach"
         assert not any(link.client.express for link in links["zmq"])
 
+        session = links["express"][0].session
+        engine_id = agents["express"].engine_id
+
+        def codec_only(rid: str) -> None:
+            claim = Claim(rid, [], engine_id, 0.0, pack_ids(ids))
+            got = session.codec.decode(session.request(claim))  # what the server reads
+            assert got.request_id == rid
+            reply = session.codec.encode(Grant(rid, 30.0))      # what it answers
+            assert isinstance(session.response(reply, claim), Grant)
+
         def round_trip(kind: str, rid: str) -> float:
             t0 = time.perf_counter()
+            if kind == "codec only":
+                codec_only(rid)
+                return time.perf_counter() - t0
             if kind == "socket":
                 sock.sendall(b"x" * 64)
                 got = 0
