@@ -217,8 +217,10 @@ def staged(w, requests, tokens, iters, warmup, options, direction: str):
 
 
 def ipc(w, requests, tokens, iters, warmup, options):
-    """Consumer half of ``kvxfer-ipc``: one pair-copy kernel per producer, reading through IPC."""
-    from kvxfer.layout.pairs import direct_pairs  # noqa: PLC0415
+    """Consumer half of ``kvxfer-ipc``: one pair-copy kernel per producer, reading through IPC
+    (the request's tables from a per-producer ``DirectTemplate``, as ``Agent.read`` builds them)."""
+    from kvxfer.layout.pairs import DirectTemplate  # noqa: PLC0415
+    from kvxfer.layout.request import check_block_ids  # noqa: PLC0415
 
     cp = w.kernel.cp
     with cp.cuda.Device(w.kernel.device):
@@ -226,6 +228,8 @@ def ipc(w, requests, tokens, iters, warmup, options):
     for r in requests:
         if "mapped" not in w.peers[r["name"]]:
             return {"skipped": "peer cache not mapped through CUDA IPC (not on this host?)"}
+    templates = [DirectTemplate(r["spec"], w.peers[r["name"]]["mapped"].geometry, w.cache.spec, w.cache.geometry)
+                 for r in requests]
 
     host: list[float] = []
     kernel = w.kernel if not options.get("unroll") else type(w.kernel)(w.kernel.device, unroll=options["unroll"])
@@ -233,12 +237,12 @@ def ipc(w, requests, tokens, iters, warmup, options):
     def body(it):
         t0 = time.perf_counter()
         keep = []
-        for r, stream in zip(requests, streams):
-            mapped = w.peers[r["name"]]["mapped"].geometry
-            copy = direct_pairs(r["spec"], mapped, r["ids"], w.cache.spec, w.cache.geometry,
-                                r["local_ids"], tokens)
-            keep.append(kernel.launch(copy, stream.ptr))
-        host.append(time.perf_counter() - t0)  # tables built, uploaded and launched
+        for r, stream, template in zip(requests, streams, templates):
+            # the ids checked as Agent.read checks them (once per read), then the table and launch
+            src_ids = check_block_ids("remote", r["ids"], r["spec"].num_blocks)
+            dst_ids = check_block_ids("local", r["local_ids"], w.cache.spec.num_blocks)
+            keep.append(kernel.launch(template.copy(src_ids, dst_ids, tokens), stream.ptr))
+        host.append(time.perf_counter() - t0)  # ids checked, tables built, uploaded and launched
         for stream in streams:
             stream.synchronize()
         return time.perf_counter() - t0

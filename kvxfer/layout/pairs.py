@@ -28,8 +28,8 @@ from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout
 from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.request import check_block_ids
 
-__all__ = ["PairCopy", "Side", "Overlap", "overlap", "direct_pairs", "pack_pairs", "unpack_pairs",
-           "request_tokens"]
+__all__ = ["PairCopy", "Side", "Overlap", "overlap", "direct_pairs", "DirectTemplate", "pack_pairs",
+           "unpack_pairs", "request_tokens"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Side:
     hs: int
     head: int = 0
     base: int = 0
+    bits: int | None = field(default=None, repr=False, compare=False)  # low_bits(), when known
+
 
     def addresses(self, p0: int, n: int, n_chunks: int, chunk: int, vector_bytes: int) -> np.ndarray:
         """uint64 start addresses of pairs ``[p0, p0 + n)`` (the host twin of the kernel's math)."""
@@ -69,6 +71,8 @@ class Side:
 
     def low_bits(self) -> int:
         """OR of every term an address is built from (its lowest set bit bounds the alignment)."""
+        if self.bits is not None:
+            return self.bits
         acc = self.stride | (self.base if self.bases is None else int(np.bitwise_or.reduce(self.bases)))
         return acc
 
@@ -219,6 +223,43 @@ def direct_pairs(src: KVSpec, src_geom: CacheGeometry, src_ids, dst: KVSpec, dst
     return PairCopy(_cache_side(src, src_geom, s_ids, ov.src_head),
                     _cache_side(dst, dst_geom, d_ids, ov.dst_head),
                     src.num_layers * src.kv_count * n, n, chunk, ov.heads, src.vector_bytes)
+
+
+class DirectTemplate:
+    """``direct_pairs`` for one fixed pair of caches: what does not depend on the request (the
+    heads shared, strides, region bases and their alignment) is worked out once, so a request
+    costs only its own ids (the same-host IPC read builds one per request).
+
+    Raises LayoutError as ``direct_pairs`` does (no shared heads, a geometry that does not fit
+    its spec).
+    """
+
+    def __init__(self, src: KVSpec, src_geom: CacheGeometry, dst: KVSpec, dst_geom: CacheGeometry) -> None:
+        ov, _, _, chunk, _ = _shape(src, np.zeros(0, np.int64), dst, np.zeros(0, np.int64), 0, checked=True)
+        s = _cache_side(src, src_geom, None, ov.src_head)
+        d = _cache_side(dst, dst_geom, None, ov.dst_head)
+        self._src = replace(s, bits=s.low_bits())
+        self._dst = replace(d, bits=d.low_bits())
+        self._block_sizes = (src.block_size, dst.block_size)
+        self._chunk, self._heads, self._vb = chunk, ov.heads, src.vector_bytes
+        self._runs = src.num_layers * src.kv_count  # (layer, K/V) regions: pairs per chunk of tokens
+
+    def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, num_tokens: int | None = None) -> PairCopy:
+        """The pair copy of one request: equal to ``direct_pairs(..., checked=True)``.
+
+        Both id arrays must have passed ``check_block_ids`` against their specs (1-D int64,
+        distinct, in range); ``num_tokens`` is checked here (BlockIdError)."""
+        sbs, dbs = self._block_sizes
+        cap = min(len(src_ids) * sbs, len(dst_ids) * dbs)
+        tokens = cap if num_tokens is None else num_tokens
+        if not 0 <= tokens <= cap:
+            raise BlockIdError(f"num_tokens must be in [0, {cap}] for these block ids; got {num_tokens}")
+        g = self._chunk
+        n = -(-tokens // g)  # cap is a multiple of the chunk, so this stays within both id lists
+        s, d = self._src, self._dst
+        return PairCopy(Side(s.bases, src_ids, s.stride, s.block_size, s.ts, s.hs, s.head, 0, s.bits),
+                        Side(d.bases, dst_ids, d.stride, d.block_size, d.ts, d.hs, d.head, 0, d.bits),
+                        self._runs * n, n, g, self._heads, self._vb)
 
 
 def _wire_side(dst: KVSpec, chunk: int, heads: int, staging: int) -> Side:

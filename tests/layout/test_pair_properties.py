@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import LayoutError
+from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.gpu.ops import pair_copy_numpy
-from kvxfer.layout.pairs import PairCopy, direct_pairs, overlap, pack_pairs, unpack_pairs
+from kvxfer.layout.pairs import DirectTemplate, PairCopy, direct_pairs, overlap, pack_pairs, unpack_pairs
 from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.spec import CacheGeometry, KVSpec
 
@@ -115,10 +115,11 @@ def _run(copy: PairCopy, arena: np.ndarray, cuts: list[int]) -> None:
 
 @SETTINGS
 @given(case=pair_case(), staged=st.booleans(), seed=st.integers(0, 2**32 - 1),
-       pads=st.lists(st.integers(0, 9), min_size=4, max_size=4), data=st.data())
-def test_pair_tables_move_exactly_the_shared_kv(case, staged, seed, pads, data):
+       pads=st.lists(st.integers(0, 9), min_size=4, max_size=4), data=st.data(), template=st.booleans())
+def test_pair_tables_move_exactly_the_shared_kv(case, staged, seed, pads, data, template):
     """Every destination cell of a (token, shared head, layer, K/V) holds the source's cell; no other
-    arena byte changes (destination sentinels, source, gaps); the staging image is in wire order."""
+    arena byte changes (destination sentinels, source, gaps); the staging image is in wire order.
+    ``template``: the direct copy comes from a ``DirectTemplate`` (the IPC read's per-link tables)."""
     src, s_ids, dst, d_ids, num_tokens = case
     g = math.gcd(src.block_size, dst.block_size)
     moved = (_round_up(num_tokens, g) if num_tokens is not None
@@ -160,7 +161,10 @@ def test_pair_tables_move_exactly_the_shared_kv(case, staged, seed, pads, data):
         _run(unpack, arena, cuts)
     else:
         image = before[w_off:w_off + wire]
-        direct = direct_pairs(src, s_geom, s_ids, dst, d_geom, d_ids, num_tokens)
+        if template:
+            direct = DirectTemplate(src, s_geom, dst, d_geom).copy(s_ids, d_ids, num_tokens)
+        else:
+            direct = direct_pairs(src, s_geom, s_ids, dst, d_geom, d_ids, num_tokens)
         assert direct.nbytes == wire
         _run(direct, arena, data.draw(st.lists(st.integers(0, max(direct.n, 1)), max_size=3)))
 
@@ -172,6 +176,38 @@ def test_pair_tables_move_exactly_the_shared_kv(case, staged, seed, pads, data):
     cells(dst, want, d_off)[:, :, d_at[0], d_at[1], d_at[2]] = values
     want[w_off:w_off + wire] = image
     assert np.array_equal(arena, want), "a byte outside the destination cells (or staging) changed"
+
+
+@SETTINGS
+@given(case=pair_case())
+def test_direct_template_gives_direct_pairs_copy(case):
+    """A template's copy is ``direct_pairs``'s, field by field, alignment included; both refuse a
+    token count beyond the ids the same way."""
+    src, s_ids, dst, d_ids, num_tokens = case
+    s_geom, d_geom = CacheGeometry.contiguous(src, ADDR), CacheGeometry.contiguous(dst, ADDR + src.cache_bytes)
+    want = direct_pairs(src, s_geom, s_ids, dst, d_geom, d_ids, num_tokens)
+    template = DirectTemplate(src, s_geom, dst, d_geom)
+    got = template.copy(s_ids, d_ids, num_tokens)
+    for name in ("n", "n_chunks", "tokens", "heads", "vector_bytes", "p0", "nbytes"):
+        assert getattr(got, name) == getattr(want, name), name
+    for a, b in ((got.src_side, want.src_side), (got.dst_side, want.dst_side)):
+        assert (a.stride, a.block_size, a.ts, a.hs, a.head, a.base) == (b.stride, b.block_size, b.ts, b.hs, b.head, b.base)
+        assert np.array_equal(a.bases, b.bases) and a.ids is not None and np.array_equal(a.ids, b.ids)
+        assert a.low_bits() == b.low_bits()
+    assert got.alignment() == want.alignment()
+    assert np.array_equal(got.src, want.src) and np.array_equal(got.dst, want.dst)
+    too_many = min(len(s_ids) * src.block_size, len(d_ids) * dst.block_size) + 1
+    with pytest.raises(BlockIdError, match=f"got {too_many}"):
+        template.copy(s_ids, d_ids, too_many)
+    with pytest.raises(BlockIdError, match=f"got {too_many}"):
+        direct_pairs(src, s_geom, s_ids, dst, d_geom, d_ids, too_many)
+
+
+def test_direct_template_refuses_ranks_that_share_no_head():
+    a = KVSpec(num_layers=1, num_kv_heads=2, head_dim=4, block_size=2, num_blocks=4, dtype="uint8", tp_size=2)
+    with pytest.raises(LayoutError, match="holds no head"):
+        DirectTemplate(a.with_rank(0), CacheGeometry.contiguous(a, ADDR), a.with_rank(1),
+                       CacheGeometry.contiguous(a, ADDR))
 
 
 @settings(max_examples=200, deadline=None)

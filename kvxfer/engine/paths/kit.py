@@ -27,6 +27,7 @@ from kvxfer.gpu.ops import cupy_missing
 from kvxfer.gpu.ipc import IpcExport, IpcPeerCache, export_cache, host_identity
 from kvxfer.engine.paths.pipeline import SlotRange, StagingArea, host_allocate
 from kvxfer.layout import CacheView
+from kvxfer.layout.pairs import DirectTemplate
 from kvxfer.protocol.messages import IpcWire, StagingWire
 from kvxfer.types import MemKind
 
@@ -184,6 +185,15 @@ class PathKit:
 
     def mapped(self, link) -> IpcPeerCache:
         return link.paths["ipc"]
+
+    def direct_template(self, link, view) -> DirectTemplate:
+        """The IPC read's tables from ``link``'s mapped cache into ``view`` (built on first use;
+        again if the local cache was registered anew)."""
+        held = link.paths.get("ipc-direct")
+        if held is None or held[0] is not view:
+            template = DirectTemplate(link.spec, self.mapped(link).geometry, view.spec, view.geometry)
+            held = link.paths["ipc-direct"] = (view, template)
+        return held[1]
 
     def _map(self, link) -> "IpcPeerCache | str":
         info = link.info

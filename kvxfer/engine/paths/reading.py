@@ -6,8 +6,9 @@ producer rank. It runs after the producers granted the claim, except for ``ipc``
 is launched first so the claim's round trip overlaps it (``Agent.read`` explains why that is safe):
 
 * ``direct``: the layout plan's descriptors (the backend notifies the producer on completion);
-* ``ipc``: one ``direct_pairs`` kernel per producer rank on the agent's CUDA stream, reading
-  the peer's cache through its CUDA IPC mapping, then an event the progress loop polls;
+* ``ipc``: one direct pair-copy kernel per producer rank (its tables from the link's
+  ``DirectTemplate``) on the agent's CUDA stream, reading the peer's cache through its CUDA IPC
+  mapping, then an event the progress loop polls;
 * ``staged``: a ``PackRequest`` per producer rank (it packs into its staging area and
   announces pieces), and a worker running ``fetch_read`` into its own window of our staging
   slots.
@@ -30,7 +31,7 @@ import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
 from kvxfer.engine.transfers import Part
-from kvxfer.layout.pairs import direct_pairs, unpack_pairs
+from kvxfer.layout.pairs import unpack_pairs
 from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.plan import head_overlap
@@ -137,8 +138,8 @@ class ReadRoute:
     def _start_ipc(self, kit: PathKit, view: CacheView) -> list[Part]:
         parts = []
         for link in self.links:
-            copy = direct_pairs(link.spec, kit.mapped(link).geometry, self.remote, view.spec, view.geometry,
-                                self.local, checked=True)  # plan_read checked both against these specs
+            # plan_read checked both id arrays against these specs
+            copy = kit.direct_template(link, view).copy(self.remote, self.local)
             launches, event = kit.launch_and_record([copy])
             parts.append(Part(link.agent_name, None, link.view.geometry.kind, self.note,
                               job=IpcJob(launches, event, copy.nbytes, 1)))
