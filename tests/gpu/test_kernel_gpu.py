@@ -91,3 +91,125 @@ def _has(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
+
+SMALL = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", num_blocks=128, block_size=16)
+
+
+def _pairs_of(n_requests: int, per: int, seed: int):
+    """``n_requests`` requests of ``per`` blocks: random source ids, disjoint destination ids."""
+    rng = np.random.default_rng(seed)
+    dst = rng.permutation(SMALL.num_blocks)[: n_requests * per].reshape(n_requests, per)
+    return [(rng.permutation(SMALL.num_blocks)[:per].astype(np.int64), d.astype(np.int64)) for d in dst]
+
+
+def _check(src, dst, requests) -> None:
+    import torch
+
+    for s_ids, d_ids in requests:
+        s_t, d_t = torch.as_tensor(s_ids, device="cuda:0"), torch.as_tensor(d_ids, device="cuda:0")
+        for s, d in zip(src.tensors, dst.tensors):  # each (K/V, blocks, ...): compare as integers
+            s2, d2 = s.view(torch.int16).view(2, SMALL.num_blocks, -1), d.view(torch.int16).view(2, SMALL.num_blocks, -1)
+            assert torch.equal(s2[:, s_t], d2[:, d_t]), (s_ids, d_ids)
+
+
+def test_lean_launches_exact_when_the_id_ring_is_full_and_threads_race(cuda):
+    """Four threads launch 24 requests each on their own streams, queued behind a kernel that
+    spins ~20 ms: the ring's 16 slots are all in use for most launches, so those take the generic
+    path while others reuse slots. Every request's blocks must land exactly where they belong."""
+    import threading
+
+    import cupy as cp
+    import torch
+
+    from kvxfer.bench.caches import fill_random, make_cache
+    from kvxfer.gpu import ops
+
+    src, dst = make_cache(SMALL, "cuda:0"), make_cache(SMALL, "cuda:0")
+    fill_random(src, 3)
+    fill_random(dst, 4)
+    kernel = ops.PairKernel(0)
+    spin = cp.RawKernel(_SPIN, "spin")
+    clock_hz = cp.cuda.Device(0).attributes.get("ClockRate", 1_980_000) * 1000  # kHz; SM clock
+    requests = _pairs_of(96, 1, seed=5)
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    generic = []
+    real_ids = ops.PairKernel._ids
+
+    def counting_ids(self, *a, **k):  # the generic path's id upload: counts its launches
+        generic.append(1)
+        return real_ids(self, *a, **k)
+
+    ops.PairKernel._ids = counting_ids
+    keeps, errors = [], []
+
+    def run(t: int) -> None:
+        try:
+            with streams[t]:
+                spin((1,), (1,), (np.int64(clock_hz // 50),))
+            for s_ids, d_ids in requests[t::4]:
+                copy = direct_pairs(SMALL, src.geometry, s_ids, SMALL, dst.geometry, d_ids)
+                keeps.append(kernel.launch(copy, streams[t].ptr))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        ops.PairKernel._ids = real_ids
+    assert not errors, errors
+    torch.cuda.synchronize()
+    for stream in streams:
+        stream.synchronize()
+    _check(src, dst, requests)
+    assert 0 < len(generic) < len(requests), f"{len(generic)} of {len(requests)} launches took the generic path"
+
+
+def test_lean_launch_falls_back_when_a_request_outgrows_a_ring_slot(cuda, monkeypatch):
+    import torch
+
+    from kvxfer.bench.caches import fill_random, make_cache
+    from kvxfer.gpu import ops
+
+    monkeypatch.setattr(ops, "_RING_IDS", 8)  # both sides' ids of a request share one slot
+    src, dst = make_cache(SMALL, "cuda:0"), make_cache(SMALL, "cuda:0")
+    fill_random(src, 6)
+    fill_random(dst, 7)
+    kernel = ops.PairKernel(0)
+    small, large = _pairs_of(1, 4, seed=8)[0], _pairs_of(1, 40, seed=9)[0]
+    for s_ids, d_ids in (small, large, small):
+        keep = kernel.launch(direct_pairs(SMALL, src.geometry, s_ids, SMALL, dst.geometry, d_ids))
+        torch.cuda.synchronize()
+        del keep
+        _check(src, dst, [(s_ids, d_ids)])
+    assert kernel._ring is not None and kernel._ring._ids == 8
+
+
+def test_generic_launch_still_exact(cuda):
+    """``lean=False`` (kept for comparison) moves the same bytes."""
+    import torch
+
+    from kvxfer.bench.caches import fill_random, make_cache
+    from kvxfer.gpu.ops import PairKernel
+
+    src, dst = make_cache(SMALL, "cuda:0"), make_cache(SMALL, "cuda:0")
+    fill_random(src, 10)
+    fill_random(dst, 11)
+    requests = _pairs_of(8, 3, seed=12)
+    kernel = PairKernel(0, lean=False)
+    keeps = [kernel.launch(direct_pairs(SMALL, src.geometry, s, SMALL, dst.geometry, d)) for s, d in requests]
+    torch.cuda.synchronize()
+    del keeps
+    _check(src, dst, requests)
+    assert kernel._ring is None
