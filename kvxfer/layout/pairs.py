@@ -52,7 +52,6 @@ class Side:
     base: int = 0
     bits: int | None = field(default=None, repr=False, compare=False)  # low_bits(), when known
 
-
     def addresses(self, p0: int, n: int, n_chunks: int, chunk: int, vector_bytes: int) -> np.ndarray:
         """uint64 start addresses of pairs ``[p0, p0 + n)`` (the host twin of the kernel's math)."""
         p = np.arange(p0, p0 + n, dtype=np.int64)
@@ -240,7 +239,7 @@ class DirectTemplate:
         d = _cache_side(dst, dst_geom, None, ov.dst_head)
         self._src = replace(s, bits=s.low_bits())
         self._dst = replace(d, bits=d.low_bits())
-        self._block_sizes = (src.block_size, dst.block_size)
+        self._specs = (src, dst)
         self._chunk, self._heads, self._vb = chunk, ov.heads, src.vector_bytes
         self._runs = src.num_layers * src.kv_count  # (layer, K/V) regions: pairs per chunk of tokens
 
@@ -249,13 +248,8 @@ class DirectTemplate:
 
         Both id arrays must have passed ``check_block_ids`` against their specs (1-D int64,
         distinct, in range); ``num_tokens`` is checked here (BlockIdError)."""
-        sbs, dbs = self._block_sizes
-        cap = min(len(src_ids) * sbs, len(dst_ids) * dbs)
-        tokens = cap if num_tokens is None else num_tokens
-        if not 0 <= tokens <= cap:
-            raise BlockIdError(f"num_tokens must be in [0, {cap}] for these block ids; got {num_tokens}")
         g = self._chunk
-        n = -(-tokens // g)  # cap is a multiple of the chunk, so this stays within both id lists
+        n = request_tokens(self._specs[0], src_ids, self._specs[1], dst_ids, num_tokens) // g
         s, d = self._src, self._dst
         return PairCopy(Side(s.bases, src_ids, s.stride, s.block_size, s.ts, s.hs, s.head, 0, s.bits),
                         Side(d.bases, dst_ids, d.stride, d.block_size, d.ts, d.hs, d.head, 0, d.bits),
