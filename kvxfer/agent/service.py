@@ -17,8 +17,8 @@ from kvxfer.errors import KvxferError, ProtocolError
 from kvxfer.transport.sessions import LogLimiter
 from kvxfer.layout import expected_notifications
 from kvxfer.protocol import (
-    Abort, Ack, Claim, Done, Grant, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse, ServerSession,
-    claim_blocks,
+    Abort, Ack, Claim, ClaimBatch, Done, Grant, Grants, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse,
+    ServerSession, claim_blocks,
 )
 
 if TYPE_CHECKING:
@@ -65,6 +65,30 @@ class ProducerService:
                     if not self._granted[engine]:
                         del self._granted[engine]
 
+    def _claim(self, message: Claim, peer: PeerInfo | None) -> Grant | Refuse:
+        """Grant or refuse one claim (a ``Claim``, or one of a ``ClaimBatch``)."""
+        leases = self._agent._leases
+        consumer_tp = peer.spec.tp_size if peer is not None else 1
+        expected = self._expected.get(consumer_tp)
+        if expected is None:
+            try:
+                expected = self._expected[consumer_tp] = expected_notifications(self._agent.spec, consumer_tp)
+            except KvxferError as exc:
+                return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
+        try:
+            blocks = claim_blocks(message)
+        except ProtocolError as exc:
+            result = ClaimResult(False, str(exc))
+        else:
+            result = leases.claim(message.request_id, message.engine_id, blocks, expected,
+                                  window=message.window)
+        if not result.granted:
+            self._refusals.event("claim", f"refused claim of {message.request_id!r} by "
+                                          f"{message.engine_id}: {result.reason}")
+            return Refuse(message.request_id, result.reason)
+        self._note_grant(message.engine_id, message.request_id)
+        return Grant(message.request_id, result.lease_remaining)
+
     def make_session(self) -> ServerSession:
         """A fresh server session for a new client identity (called by the transport).
 
@@ -83,26 +107,9 @@ class ProducerService:
         """Apply one request from a handshaken consumer; returns the reply message."""
         leases = self._agent._leases
         if isinstance(message, Claim):
-            consumer_tp = peer.spec.tp_size if peer is not None else 1
-            expected = self._expected.get(consumer_tp)
-            if expected is None:
-                try:
-                    expected = self._expected[consumer_tp] = expected_notifications(self._agent.spec, consumer_tp)
-                except KvxferError as exc:
-                    return Refuse(message.request_id, f"incompatible consumer TP size {consumer_tp}: {exc}")
-            try:
-                blocks = claim_blocks(message)
-            except ProtocolError as exc:
-                result = ClaimResult(False, str(exc))
-            else:
-                result = leases.claim(message.request_id, message.engine_id, blocks, expected,
-                                      window=message.window)
-            if not result.granted:
-                self._refusals.event("claim", f"refused claim of {message.request_id!r} by "
-                                              f"{message.engine_id}: {result.reason}")
-                return Refuse(message.request_id, result.reason)
-            self._note_grant(message.engine_id, message.request_id)
-            return Grant(message.request_id, result.lease_remaining)
+            return self._claim(message, peer)
+        if isinstance(message, ClaimBatch):  # each claim judged alone, as if it came by itself
+            return Grants([self._claim(claim, peer) for claim in message.claims])
         if isinstance(message, Heartbeat):
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)

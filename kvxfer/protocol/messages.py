@@ -159,6 +159,9 @@ class PeerInfo(msgspec.Struct, frozen=True):
     net_id: Annotated[str, Meta(max_length=1024)] = ""
     # Appended: this agent reads ``Claim.packed_ids``. Older peers: False (they get lists).
     packed_ids: bool = False
+    # Appended: this agent answers ``ClaimBatch`` (many requests' claims in one message). Older
+    # peers: False (they get one ``Claim`` per request).
+    batch_claims: bool = False
 
 
 class Hello(_Msg, frozen=True):
@@ -225,6 +228,18 @@ def claim_blocks(msg: Claim) -> bytes | list[int]:
     return msg.packed_ids
 
 
+MAX_BATCH = 4096  # claims in one ClaimBatch
+
+
+class ClaimBatch(_Msg, frozen=True):
+    """Consumer -> producer: the claims of many requests (one engine step) in one message.
+
+    Each claim is judged on its own, exactly as if it came alone; the reply ``Grants`` answers
+    them in the same order. Every claim must name the session's engine."""
+
+    claims: Annotated[list[Claim], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class Grant(_Msg, frozen=True):
     """Producer -> consumer: the blocks are held for ``lease_remaining`` more seconds."""
 
@@ -239,6 +254,12 @@ class Refuse(_Msg, frozen=True):
 
     request_id: Id
     reason: Text
+
+
+class Grants(_Msg, frozen=True):
+    """Producer -> consumer: the answer to a ``ClaimBatch``, one ``Grant`` or ``Refuse`` per claim, in order."""
+
+    replies: Annotated[list[Union[Grant, Refuse]], Meta(max_length=MAX_BATCH)]
 
 
 class Heartbeat(_Msg, frozen=True):
@@ -316,12 +337,13 @@ class Done(_Msg, frozen=True):
 
 Message = Union[
     Hello, Welcome, Reject, Claim, Grant, Refuse, Heartbeat, HeartbeatAck,
-    Abort, Ack, PackRequest, PackReady, Done,
+    Abort, Ack, PackRequest, PackReady, Done, ClaimBatch, Grants,
 ]
 
 #: Messages a client may send once ready, and the replies each one may get.
 REPLIES: dict[type, tuple[type, ...]] = {
     Claim: (Grant, Refuse),
+    ClaimBatch: (Grants, Refuse),
     Heartbeat: (HeartbeatAck,),
     Abort: (Ack, Refuse),
     PackRequest: (PackReady, Refuse),
@@ -436,4 +458,5 @@ def make_peer_info(
         mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
         listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
         multiplexed=bool(multiplexed), express_port=int(express_port), packed_ids=True,
+        batch_claims=True,
     )

@@ -32,6 +32,7 @@ from kvxfer.protocol.messages import (
     REPLIES,
     Abort,
     Claim,
+    ClaimBatch,
     Done,
     Heartbeat,
     Hello,
@@ -283,6 +284,11 @@ class ServerSession:
             return self._reject(
                 "state", f"engine_id: expected {self.peer.engine_id!r} (handshaken); got {msg.engine_id!r}"
             )
+        if isinstance(msg, ClaimBatch):
+            other = next((c.engine_id for c in msg.claims if c.engine_id != self.peer.engine_id), None)
+            if other is not None:
+                return self._reject(
+                    "state", f"engine_id: expected {self.peer.engine_id!r} (handshaken); got {other!r}")
         if isinstance(msg, PackRequest) and msg.head_stop <= msg.head_start:
             return self._reject(
                 "malformed", f"PackRequest heads: expected head_start < head_stop; got "
