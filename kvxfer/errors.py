@@ -2,6 +2,7 @@
 
     KvxferError
     ├── ConfigError                 bad configuration or arguments (unknown backend, bad env value)
+    │   └── RequestInFlightError    a second transfer of a request id this agent is still moving
     ├── LayoutError                 a KVSpec or a pair of specs that cannot be combined
     │   └── BlockIdError            a block id outside the cache, or mismatched id lists
     ├── RegistrationError           memory that does not match the spec, or is not registered
@@ -34,6 +35,7 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "RegistrationError",
+    "RequestInFlightError",
     "TransferError",
     "TransferFailedError",
     "TransferTimeoutError",
@@ -46,6 +48,12 @@ class KvxferError(Exception):
 
 class ConfigError(KvxferError, ValueError):
     """Configuration or arguments are invalid."""
+
+
+class RequestInFlightError(ConfigError):
+    """A read or write names a request id that already has a transfer in flight (or quarantined)
+    on this agent. Refused before anything is sent: the first transfer and the producer's hold
+    are untouched."""
 
 
 class LayoutError(KvxferError, ValueError):

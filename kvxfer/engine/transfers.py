@@ -23,6 +23,7 @@ fails: its producer may have freed and reused the blocks while they moved.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from kvxfer.errors import (
     BlockIdError,
     ClosedError,
     KvxferError,
+    RequestInFlightError,
     TransferFailedError,
     TransferTimeoutError,
 )
@@ -96,17 +98,22 @@ class _Request:
     finished: bool = False                  # the handle has completed
     error: KvxferError | None = None        # set once the request failed: it is draining
     drain_until: float = 0.0
+    posted: bool = False                    # its parts are attached (``attach``); before that it waits
+    granted: bool = True                    # its producers granted the claim (``grant``); success waits for it
+    all_done_at: float | None = None        # engine-clock time every part was first seen done
     stats: TransferStats = field(init=False)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one poller at a time
+    # One poller at a time; the poster holds it from before it launches until ``attach``, so the
+    # request cannot end (deadline, cancel) between a launch and the engine owning what it launched.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
-        self.stats = TransferStats(
-            self.handle.request_id,
-            num_bytes=sum(int(p.job.num_bytes if p.job else p.plan.num_bytes) for p in self.parts),
-            descriptors=sum(int(p.job.descriptors if p.job else p.plan.local.shape[0]) for p in self.parts),
-            mode=self.mode,
-            peers=len(self.parts),
-        )
+        self.stats = TransferStats(self.handle.request_id, mode=self.mode)
+
+    def count_parts(self) -> None:
+        self.stats.num_bytes = sum(int(p.job.num_bytes if p.job else p.plan.num_bytes) for p in self.parts)
+        self.stats.descriptors = sum(int(p.job.descriptors if p.job else p.plan.local.shape[0])
+                                     for p in self.parts)
+        self.stats.peers = len({p.peer for p in self.parts})
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,6 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}   # posted, not yet ended (draining included)
         self._quarantine: dict[str, _Request] = {}  # handle failed, transfers not confirmed ended
-        self._posting: set[str] = set()
         self._closed = False
 
     # ---- submission --------------------------------------------------------------
@@ -154,7 +160,7 @@ class TransferEngine:
                timeout: float | None = None, deadline: float | None = None, blocks=None,
                on_success: Callable[[], None] | None = None, mode: TransferPath | None = None,
                setup_seconds: float = 0.0, claim_seconds: float = 0.0) -> TransferHandle:
-        """Post every part now and return the request's handle (``mode`` names the path in its stats).
+        """Post every part now and return the request's handle: ``reserve`` then ``attach``.
 
         ``deadline`` (on the engine's clock; or ``timeout`` seconds from now) is the end of the
         request's window: it fails unless it completed before then. ``blocks`` are the local
@@ -163,43 +169,113 @@ class TransferEngine:
         Raises:
             ClosedError: the engine was closed.
             BlockIdError: a block of ``blocks`` is quarantined.
-            KvxferError: posting failed (nothing stays posted) or the request id is in flight.
+            RequestInFlightError: the request id already has a transfer in flight (or quarantined).
+            KvxferError: posting failed (nothing stays posted).
+        """
+        if deadline is None and timeout is not None:
+            deadline = self._clock.now() + timeout
+        req = self.reserve(request_id, direction, deadline=deadline, blocks=blocks)
+        req.on_success = on_success
+        req.stats.claim_seconds = claim_seconds
+        if not self.attach(req, parts, mode=mode, setup_seconds=setup_seconds):
+            raise req.error
+        return req.handle
+
+    def reserve(self, request_id: str, direction: Direction, *, deadline: float | None = None, blocks=None,
+                granted: bool = True) -> "_Request":
+        """Register a request before its parts exist; its handle (``.handle``) is pending from now on.
+
+        The request id and its local ``blocks`` are checked at once, atomically with every
+        other submission: an id already in flight (or quarantined) is refused, and so is a block
+        of a quarantined request. ``granted=False``: the request may not succeed until ``grant``
+        (its claim is still travelling). A reserved request that passes its deadline before
+        ``attach`` fails with ``TransferTimeoutError``.
+
+        Raises:
+            ClosedError, RequestInFlightError, BlockIdError: nothing was registered.
         """
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        handle = TransferHandle(request_id)
-        now = self._clock.now()
-        if deadline is None and timeout is not None:
-            deadline = now + timeout
+        ids = np.zeros(0, dtype=np.int64) if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
+        req = _Request(TransferHandle(request_id), direction, [], deadline, time.perf_counter(), "direct", ids,
+                       granted=granted)
+        with self._lock:
+            if request_id in self._requests or request_id in self._quarantine:
+                state = "quarantined (its failed transfer is not confirmed ended)" \
+                    if request_id in self._quarantine else "in flight"
+                raise RequestInFlightError(
+                    f"request {request_id!r} is already {state} on this agent: a second transfer of it is "
+                    "refused (wait for the first handle, or abort it)")
+            self._check_not_quarantined(ids)
+            self._requests[request_id] = req
+        req.handle._poke = lambda: self._poke(req)
+        return req
+
+    def unreserve(self, req: "_Request") -> None:
+        """Forget a reserved request that was never attached (its batch was refused at once)."""
+        with self._lock:
+            if self._requests.get(req.handle.request_id) is req and not req.posted:
+                del self._requests[req.handle.request_id]
+        req.handle._poke = None
+
+    def attach(self, req: "_Request", parts: list[Part], *, mode: TransferPath | None = None,
+               setup_seconds: float = 0.0, started: bool = False) -> bool:
+        """Give a reserved request its parts and post those not yet running.
+
+        ``started``: the parts' jobs are already running (an IPC kernel launched, a NIXL
+        transfer posted); they are attached even when the request failed meanwhile, so the
+        request ends only once they have (no byte lands after its handle ended). Otherwise, if
+        the request already failed (cancelled, timed out), nothing is posted and False is
+        returned. Returns False also when posting failed (the request then fails with the error).
+        """
         if mode is None:
             staged = any(p.job is None and p.plan.staging_bytes for p in parts)
             mode = TransferPath.HOST_STAGED if staged else TransferPath.DIRECT
-        ids = np.zeros(0, dtype=np.int64) if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
-        req = _Request(handle, direction, parts, deadline, time.perf_counter(), mode, ids, on_success)
-        req.stats.setup_seconds, req.stats.claim_seconds = setup_seconds, claim_seconds
-        with self._lock:
-            if request_id in self._requests or request_id in self._posting or request_id in self._quarantine:
-                raise TransferFailedError(f"request {request_id!r} already has a transfer in flight")
-            self._check_not_quarantined(ids)
-            self._posting.add(request_id)
-        try:
-            # Post before the progress thread can see the request, so it never races the posting.
-            for part in parts:
-                self._post(req, part)
-        except BaseException as exc:
-            req.error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
-            self._end_parts(req, wait=True)
-            with self._lock:
-                self._posting.discard(request_id)
-            raise
-        with self._lock:
-            self._posting.discard(request_id)
-            self._requests[request_id] = req
-        if not parts:
-            self._succeed(req)
-        else:
-            handle._poke = lambda: self._poke(req)
-        return handle
+        with req.lock:
+            if req.finished or (req.error is not None and not started):
+                for part in parts:  # not started: nothing to wait for
+                    if part.job is not None:
+                        part.job.cancel()
+                return False
+            req.parts = list(parts)
+            req.mode = req.stats.mode = mode
+            req.count_parts()
+            req.stats.setup_seconds = setup_seconds
+            try:
+                for part in req.parts:
+                    self._post(req, part)
+            except BaseException as exc:
+                error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
+                self._fail(req, error)
+                self._end_parts(req, wait=True)
+                req.posted = True
+                return False
+            req.posted = True
+            if not req.parts and req.error is None and req.granted:
+                self._succeed(req)
+        return True
+
+    def grant(self, req: "_Request", claim_seconds: float = 0.0) -> None:
+        """The request's producers granted its claim: it may succeed once its parts are done."""
+        req.stats.claim_seconds = claim_seconds
+        req.granted = True
+        if req.posted and not req.parts:
+            with req.lock:
+                if req.error is None:
+                    self._succeed(req)
+
+    @contextlib.contextmanager
+    def posting(self, reqs: list["_Request"]):
+        """Hold ``reqs`` while their parts are launched and attached; yields those still live
+        (neither failed nor ended). Use ``attach(..., started=True)`` inside for what was launched."""
+        with contextlib.ExitStack() as stack:
+            for req in reqs:
+                stack.enter_context(req.lock)
+            yield [req for req in reqs if not req.finished and req.error is None]
+
+    def fail(self, req: "_Request", error: KvxferError) -> bool:
+        """Fail a reserved or posted request (e.g. its claim was refused); it drains as any failure."""
+        return self._fail(req, error)
 
     def _check_not_quarantined(self, ids: np.ndarray) -> None:
         for other in self._quarantine.values():
@@ -241,7 +317,19 @@ class TransferEngine:
             requests = list(self._requests.values())
             quarantined = list(self._quarantine.values())
         for req in requests:
-            with req.lock:
+            # Never wait on a request's lock: its poster may be launching it (a slow peer's post
+            # must not hold up the others); it is polled on the next pass.
+            if not req.lock.acquire(blocking=False):
+                continue
+            try:
+                if not req.posted:
+                    if req.error is None and req.deadline is not None and self._clock.now() >= req.deadline:
+                        self._fail(req, TransferTimeoutError(
+                            f"request {req.handle.request_id!r}: its timeout passed before its transfer was "
+                            "posted (the producer did not answer in time)"))
+                    if req.error is not None:
+                        self._drain(req)
+                    continue
                 if req.error is None:
                     try:
                         self._poll(req)
@@ -249,6 +337,8 @@ class TransferEngine:
                         self._fail(req, exc)
                 if req.error is not None:
                     self._drain(req)
+            finally:
+                req.lock.release()
         for req in quarantined:
             if self._end_parts(req, wait=False):
                 with self._lock:
@@ -262,7 +352,7 @@ class TransferEngine:
         if not req.lock.acquire(blocking=False):
             return
         try:
-            if req.finished or req.error is not None or self._closed:
+            if req.finished or req.error is not None or self._closed or not req.posted:
                 return
             try:
                 self._poll(req)
@@ -275,20 +365,22 @@ class TransferEngine:
 
     def _poll(self, req: _Request) -> None:
         for part in req.parts:
-            if part.done or not part.job.poll():
-                continue
-            part.done = True
-            if part.on_done is not None:
-                part.on_done()
-            elif part.notification and not getattr(part.job, "notifies", False):
-                self._backend.notify(part.peer, part.notification)
+            if not part.done and part.job.poll():
+                part.done = True
         seen = self._clock.now()  # every DONE above was observed before this instant
         if all(p.done for p in req.parts):
-            if req.deadline is not None and seen > req.deadline:
+            if req.all_done_at is None:
+                req.all_done_at = seen
+            if req.deadline is not None and req.all_done_at > req.deadline:
                 raise TransferTimeoutError(
-                    f"request {req.handle.request_id!r} completed {seen - req.deadline:.3f} s after its "
-                    "window closed; the producer may have reused its blocks meanwhile")
-            self._succeed(req)
+                    f"request {req.handle.request_id!r} completed {req.all_done_at - req.deadline:.3f} s after "
+                    "its window closed; the producer may have reused its blocks meanwhile")
+            if req.granted:  # the bytes may have landed before the grant: success only after it
+                self._succeed(req)
+            elif req.deadline is not None and seen >= req.deadline:
+                raise TransferTimeoutError(
+                    f"request {req.handle.request_id!r}: its producers had not granted the claim when its "
+                    "deadline passed")
         elif req.deadline is not None and seen >= req.deadline:
             raise TransferTimeoutError(
                 f"request {req.handle.request_id!r}: {sum(p.done for p in req.parts)} of "
@@ -302,6 +394,11 @@ class TransferEngine:
             req.finished = True
             self._requests.pop(req.handle.request_id, None)
         req.stats.seconds = time.perf_counter() - req.started
+        for part in req.parts:  # completion notices go only once the read is known good
+            if part.on_done is not None:
+                part.on_done()
+            elif part.notification and not getattr(part.job, "notifies", False):
+                self._backend.notify(part.peer, part.notification)
         if req.on_success is not None:
             req.on_success()
         req.handle._finish(stats=req.stats)
