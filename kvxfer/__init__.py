@@ -20,12 +20,13 @@ from kvxfer.errors import (
     PeerLostError,
     ProtocolError,
     RegistrationError,
+    RequestInFlightError,
     TransferError,
     TransferFailedError,
     TransferTimeoutError,
 )
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
-from kvxfer.types import AbortOutcome, Direction, MemKind, ReleaseReason, TransferPath
+from kvxfer.types import AbortOutcome, Direction, MemKind, ReadRequest, ReleaseReason, TransferPath
 
 __version__ = "0.1.0"
 
@@ -62,8 +63,10 @@ __all__ = [
     "MemKind",
     "PeerLostError",
     "ProtocolError",
+    "ReadRequest",
     "RegistrationError",
     "ReleaseReason",
+    "RequestInFlightError",
     "Storage",
     "TransferError",
     "TransferFailedError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AbortOutcome", "MemKind", "Region", "ReleaseReason", "SessionState", "TransferPath", "XferState",
+__all__ = ["AbortOutcome", "MemKind", "ReadRequest", "Region", "ReleaseReason", "SessionState", "TransferPath", "XferState",
            "Direction"]
 
 
@@ -122,3 +122,22 @@ class Region:
     @property
     def end(self) -> int:
         return self.addr + self.length
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """One read of a batch (``Agent.read_many``); the fields are ``Agent.read``'s arguments.
+
+    ``remote``: the producer instance's rank-0 side-channel ``(host, port)``; ``local_blocks``
+    and ``remote_blocks``: block ids (any integer sequence or array); ``timeout``: seconds for
+    the whole read, None for ``AgentConfig.transfer_timeout``; ``same_format``: refuse the read
+    (``LayoutError`` on its handle) unless the producer's layout, storage and block size equal
+    this agent's, for engines whose cache cannot take a converted layout.
+    """
+
+    remote: tuple
+    local_blocks: object
+    remote_blocks: object
+    request_id: str
+    timeout: float | None = None
+    same_format: bool = False

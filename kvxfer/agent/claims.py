@@ -15,8 +15,8 @@ import threading
 import numpy as np
 
 from kvxfer.agent.peers import PeerDirectory, PeerLink
-from kvxfer.errors import KvxferError, LeaseExpiredError
-from kvxfer.protocol import Abort, Claim, Grant, Refuse, pack_ids
+from kvxfer.errors import KvxferError, LeaseExpiredError, ProtocolError
+from kvxfer.protocol import Abort, Claim, ClaimBatch, Grant, Grants, Refuse, pack_ids
 from kvxfer.types import AbortOutcome
 
 __all__ = ["Claims"]
@@ -43,23 +43,42 @@ class Claims:
         """Send the claim to every rank now; returns ``(link, PendingAnswer or the error its send
         raised)`` for ``answers``. ``timeout`` bounds the wait for each answer (default: the
         agent's round-trip timeout; a read passes what is left of its own timeout)."""
+        return self.send_many([(request_id, remote_ids, window)], links, timeout)[0]
+
+    def send_many(self, items: list[tuple[str, np.ndarray, float]], links: list[PeerLink],
+                  timeout: float | None = None) -> list[list]:
+        """Claim many requests ``(request_id, remote_ids, window)`` on every rank of ``links`` at once:
+        one ``ClaimBatch`` per rank that answers them (``PeerInfo.batch_claims``), else one ``Claim``
+        per request. Returns, per item, the ``sent`` list ``answers`` takes."""
         wait = self._timeout if timeout is None else timeout
-        sent: list = []
-        claims: dict[bool, Claim] = {}  # packed (a current peer) or listed (an older one)
+        out: list[list] = [[] for _ in items]
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
         for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
-            packed = link.info.packed_ids
-            claim = claims.get(packed)
-            if claim is None:
-                ids = pack_ids(remote_ids) if packed else None
-                claim = claims[packed] = (Claim(request_id, [], self._engine_id, window, ids) if ids is not None
-                                          else Claim(request_id, remote_ids.tolist(), self._engine_id, window))
-            try:
-                sent.append((link, link.send(claim, wait)))
-            except KvxferError as exc:
-                sent.append((link, exc))
-        return sent
+            claims = [self._claim(link.info.packed_ids, *item) for item in items]
+            if link.info.batch_claims and len(claims) > 1:
+                try:
+                    shared = _SharedReply(link.send(ClaimBatch(claims), wait), len(claims))
+                except KvxferError as exc:
+                    for sent in out:
+                        sent.append((link, exc))
+                    continue
+                for i, sent in enumerate(out):
+                    sent.append((link, _NthReply(shared, i)))
+                continue
+            for claim, sent in zip(claims, out):
+                try:
+                    sent.append((link, link.send(claim, wait)))
+                except KvxferError as exc:
+                    sent.append((link, exc))
+        return out
+
+    def _claim(self, packed: bool, request_id: str, remote_ids: np.ndarray, window: float) -> Claim:
+        """The claim of one request: ids packed for a current peer, listed for an older one."""
+        ids = pack_ids(remote_ids) if packed else None
+        if ids is not None:
+            return Claim(request_id, [], self._engine_id, window, ids)
+        return Claim(request_id, remote_ids.tolist(), self._engine_id, window)
 
     def answers(self, request_id: str, sent: list) -> None:
         """Collect the answers of ``send`` and keep the grants; if any rank refused or was lost,
@@ -121,6 +140,46 @@ class Claims:
         lost; a restarted peer, another engine, is not asked: PeerLostError)."""
         return self._peers.call(link.host, link.port, lambda lk: lk.ask(message, self._timeout),
                                 engine_id=link.engine_id)
+
+
+class _SharedReply:
+    """The one answer of a ``ClaimBatch``, taken once and shared by its claims."""
+
+    def __init__(self, pending, count: int) -> None:
+        self._pending, self._count = pending, count
+        self._reply = None
+        self._lock = threading.Lock()
+
+    def reply(self, index: int):
+        with self._lock:
+            if self._reply is None:
+                self._reply = _answer(self._pending)
+        reply = self._reply
+        if isinstance(reply, (KvxferError, Refuse)):
+            return reply  # the whole batch failed or was refused: every claim shares it
+        if not isinstance(reply, Grants) or len(reply.replies) != self._count:
+            return ProtocolError(f"a ClaimBatch of {self._count} claims was answered with "
+                                 f"{len(getattr(reply, 'replies', ()))} replies ({type(reply).__name__})")
+        return reply.replies[index]
+
+    def cancel(self) -> None:
+        self._pending.cancel()
+
+
+class _NthReply:
+    """One claim's share of a ``_SharedReply`` (what ``answers`` expects of a pending answer)."""
+
+    def __init__(self, shared: _SharedReply, index: int) -> None:
+        self._shared, self._index = shared, index
+
+    def answer(self):
+        reply = self._shared.reply(self._index)
+        if isinstance(reply, KvxferError):
+            raise reply
+        return reply
+
+    def cancel(self) -> None:
+        self._shared.cancel()
 
 
 def _answer(pending):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -21,8 +22,10 @@ from kvxfer.engine.paths.kit import PathKit
 from kvxfer.engine.paths.packing import PackServer
 from kvxfer.agent.claims import Claims
 from kvxfer.agent.notices import DoneSender
+from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
-from kvxfer.engine.paths.reading import plan_read
+from kvxfer.agent.reads import PendingRead, ReadFlow, links_for
+from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
@@ -32,12 +35,11 @@ from kvxfer.config import AgentConfig, progress_thread_wanted
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator
-from kvxfer.engine.transfers import Part, TransferEngine
+from kvxfer.engine.transfers import TransferEngine
 from kvxfer.errors import (
-    ClosedError, ConfigError, KvxferError, LeaseExpiredError, PeerLostError, RegistrationError,
-    TransferTimeoutError,
+    ClosedError, ConfigError, KvxferError, LeaseExpiredError, RegistrationError, TransferFailedError,
 )
-from kvxfer.layout import CacheView, KVSpec, build_plan, notify_ranks, peer_ranks
+from kvxfer.layout import CacheView, KVSpec
 from kvxfer.layout.request import check_block_ids
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
@@ -46,7 +48,7 @@ from kvxfer.protocol import (
 from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
 from kvxfer.transport.zmq import ZmqTransport
-from kvxfer.types import AbortOutcome, Direction, MemKind, TransferPath
+from kvxfer.types import AbortOutcome, Direction, MemKind, ReadRequest
 
 __all__ = ["Agent", "Finished"]
 
@@ -104,6 +106,9 @@ class Agent:
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
         self._packer: PackServer | None = None  # serves staged reads as a producer
+        self._reads = ReadFlow(self)
+        self._read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
+        self._lanes = PeerLanes("kvxfer-peer", self._run_lane, self._lane_crashed)
         self._closed = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
@@ -209,173 +214,178 @@ class Agent:
              timeout: float | None = None) -> TransferHandle:
         """Pull ``remote_blocks`` of ``request_id`` from the instance at ``remote`` into ``local_blocks``.
 
+        Returns at once, without waiting for any peer: the handshake (a new peer), the claim and
+        the transfer run on kvxfer's own thread for that producer (one per producer, so a slow
+        or frozen producer delays only its own reads). Every failure on the way surfaces on the
+        handle, typed, within ``timeout``. ``read_many`` submits many reads as one step.
+
         ``remote`` is the remote instance's rank-0 side-channel address (its base port for
         its DP rank); kvxfer contacts every remote TP rank this rank needs heads from.
 
         ``timeout`` (default ``config.transfer_timeout``) bounds the whole read, handshake and
         claim included; it is also the transfer window the claim asks the producer for. The
-        handle succeeds only if every byte arrived inside that window, so the producer's blocks
-        were still held: exactly the bytes held, or a typed error. A failed read's handle ends
-        once its transfers have ended (no byte lands afterwards), or its blocks are reported
-        quarantined (``stats().quarantined_blocks``, ``finished().reclaimed``).
+        handle succeeds only if every byte arrived inside that window and the producer granted
+        the claim: exactly the bytes held, or a typed error. A failed read's handle ends once its
+        transfers have ended (no byte lands afterwards), or its blocks are reported quarantined
+        (``stats().quarantined_blocks``, ``finished().reclaimed``).
 
-        Raises (at once): PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError (ids
-        that are not distinct integers in range, or a quarantined destination), LeaseExpiredError
-        (the producer no longer holds the request), TransferTimeoutError (no time left). Errors
-        during the transfer surface from the handle. On the same-host IPC path the kernel starts
-        before the claim's answer (the round trip overlaps it): when the claim is refused, the
-        destination ``local_blocks`` may have been written; nothing else is.
+        Raises (at once, before anything is sent): ConfigError (a bad ``timeout``),
+        RequestInFlightError (``request_id`` already has a read or write in flight here, or is
+        quarantined: the first one and the producer's hold are untouched), BlockIdError (ids
+        that are not distinct integers in range, or a quarantined destination block),
+        ClosedError, RegistrationError (no cache registered).
+
+        On the handle: PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError (remote ids
+        past the producer's cache), LeaseExpiredError (the producer no longer holds the request),
+        TransferTimeoutError, TransferFailedError. A read may start moving bytes while its claim
+        travels (IPC and direct paths): when the claim is refused, only this read's own
+        destination ``local_blocks`` may have been written, and they stay in flight (or
+        quarantined) until that move has ended.
+        """
+        return self.read_many([ReadRequest(remote, local_blocks, remote_blocks, request_id, timeout)])[0]
+
+    def read_many(self, requests: Sequence[ReadRequest]) -> list[TransferHandle]:
+        """Submit many reads as one step; returns one handle per request, in order, at once.
+
+        Reads to the same producer instance go together: one claim message per producer rank
+        for all of them, one kernel launch per rank for those on the same-host IPC path, and
+        each direct read posted while the claims travel. Each request still completes or fails
+        on its own: a refused claim fails only its request, and no block of one request is ever
+        written into another's destination. Reads to different producers never wait on each
+        other.
+
+        Raises (at once, nothing submitted): what ``read`` raises at once, for any request of the
+        batch (two requests of the batch with one id: RequestInFlightError).
         """
         started = time.perf_counter()
         self._check_open()
-        view = self._require_cache()
-        timeout = self.config.transfer_timeout if timeout is None else timeout
+        self._require_cache()
+        pending = [self._pending_read(rr, started) for rr in requests]
+        reserved: list = []
+        try:
+            for read in pending:
+                read.req = self._engine.reserve(read.request_id, Direction.READ, deadline=read.deadline,
+                                                blocks=read.local, granted=False)
+                reserved.append(read.req)
+        except KvxferError:
+            for req in reserved:
+                self._engine.unreserve(req)
+            raise
+        handles = []
+        for read in pending:
+            self._read_remotes[read.request_id] = read.remote
+            handle = read.req.handle
+            handle.add_done_callback(self._on_read_done)
+            if self._metrics is not None:
+                # the path is known once the lane chose it: read it when the handle completes
+                handle.add_done_callback(lambda h, req=read.req: self._metrics.observe("read", req.mode, h))
+            handles.append(handle)
+        by_peer: dict[tuple[str, int], list] = {}
+        for read in pending:
+            by_peer.setdefault(read.remote, []).append(read)
+        for remote, reads in by_peer.items():
+            self._lanes.put_many(remote, reads)
+        self._wake.set()
+        return handles
+
+    def _pending_read(self, rr: ReadRequest, started: float) -> PendingRead:
+        """Check one request's arguments (raises at once) and make its lane item."""
+        if not isinstance(rr, ReadRequest):
+            raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
+        timeout = self.config.transfer_timeout if rr.timeout is None else rr.timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
+        remote = _address(rr.remote)
         # The read's window starts now, before any claim is sent: the producer counts the same
         # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
         deadline = None if timeout is None else self._clock.now() + timeout
-        local = check_block_ids("local", local_blocks, self.spec.num_blocks)
-        remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
-        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
-        route, parts, notify_only, claimed = self._route_and_claim(remote, view, local, remote_ids, request_id,
-                                                                    note, deadline, timeout)
-        on_success = None
-        done_links = list(notify_only)
-        if route.chunked:  # no chunk's NIXL notification tells the producer: the last Done does
-            done_links += route.links
-        if done_links:  # replicas we depend on but did not read from, and chunked reads: tell them
-            on_success = lambda: [self._done.send(link, request_id) for link in done_links]  # noqa: E731
-        try:
-            if not parts:
-                parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
-            for link, part in zip(route.links, parts):
-                if part.job is not None:  # no NIXL transfer carries its completion: tell the producer
-                    part.on_done = partial(self._done.send, link, request_id)
-            handle = self._engine.submit(request_id, Direction.READ, parts, deadline=deadline, blocks=local,
-                                         on_success=on_success,
-                                         mode=None if route.mode is TransferPath.DIRECT else route.mode,
-                                         setup_seconds=time.perf_counter() - started, claim_seconds=claimed)
-        except KvxferError:
-            _cancel_jobs(parts)
-            route.drop_packs(self._kit)
-            self._claims.give_back(request_id)
-            raise
-        handle.add_done_callback(self._on_read_done)
-        if self._metrics is not None:
-            handle.add_done_callback(partial(self._metrics.observe, "read", route.mode))
-        self._wake.set()
-        return handle
-
-    def _route_and_claim(self, remote, view, local, remote_ids, request_id: str, note: bytes,
-                         deadline: float | None, timeout: float | None):
-        """Choose the read's path and claim it on every producer rank it depends on.
-
-        Returns ``(route, parts, notify_only, claim_seconds)``; ``parts`` is already started for
-        the IPC path (its kernel runs while the claim travels), else empty. A peer that
-        restarted since our handshake (``PeerLostError``) gets one fresh handshake and a second
-        attempt, within the read's deadline. Raises what the read raises at once."""
-        parts: list = []
-        route = None
-        for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
-            links, notify_only = self._links_for(remote, self._time_left(deadline, request_id))
-            try:
-                route = plan_read(self._kit, self.config.transfer_path, view, links, local, remote_ids,
-                                  request_id, note, self.config.allow_conversion)
-                claim_started = time.perf_counter()
-                # The answers are awaited no longer than the read's own timeout: a producer that
-                # stalls (SIGSTOP, a long pause) fails the read within it, typed.
-                sent = self._claims.send(request_id, remote_ids, links + notify_only,
-                                        window=self._time_left(deadline, request_id, cap=None),
-                                        timeout=self._time_left(deadline, request_id))
-                try:
-                    if route.mode is TransferPath.IPC:
-                        # Launch while the claim travels, so its round trip overlaps the kernel. The
-                        # kernel only reads the producer's (mapped) cache; if the claim is refused,
-                        # the read fails and only this request's own destination blocks were written.
-                        parts = route.start(self._kit, view, timeout, self._time_left(deadline, request_id))
-                    elif route.mode is TransferPath.STAGED:
-                        # The pack request rides right behind the claim on the same session: the
-                        # producer checks the claim first, and the two round trips overlap.
-                        route.send_packs(self._kit, view, timeout, self._time_left(deadline, request_id))
-                except BaseException:
-                    self._claims.undo(request_id, sent)
-                    raise
-                self._claims.answers(request_id, sent)
-                claimed = time.perf_counter() - claim_started
-                return route, parts, notify_only, claimed
-            except KvxferError as exc:
-                _cancel_jobs(parts)
-                parts = []
-                if route is not None:
-                    route.drop_packs(self._kit)
-                if not isinstance(exc, PeerLostError):
-                    raise
-                for link in links + notify_only:
-                    self._peers.drop(link)
-                if attempt == 2 or (deadline is not None and self._clock.now() >= deadline):
-                    raise
-        raise AssertionError("unreachable: the second attempt returns or raises")
-
-    def _time_left(self, deadline: float | None, request_id: str, cap: float | None = -1.0) -> float:
-        """Seconds left of a read's window, capped by the handshake timeout (``cap=None``: uncapped,
-        0 meaning no window). Raises TransferTimeoutError when none is left."""
-        limit = self.config.handshake_timeout if cap == -1.0 else cap
-        if deadline is None:
-            return limit if limit is not None else 0.0
-        left = deadline - self._clock.now()
-        if left <= 0:
-            raise TransferTimeoutError(f"read of {request_id!r}: its timeout passed before the transfer started")
-        return left if limit is None else min(left, limit)
+        local = check_block_ids("local", rr.local_blocks, self.spec.num_blocks)
+        remote_ids = check_block_ids("remote", rr.remote_blocks, _MAX_BLOCK_ID)
+        note = encode_notification(rr.request_id, self.engine_id, self.config.auth_key)
+        return PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
+                           same_format=bool(rr.same_format))
 
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
               timeout: float | None = None) -> TransferHandle:
         """Push this producer rank's ``local_blocks`` into a consumer instance's ``remote_blocks``.
 
-        Every consumer rank that needs heads this rank holds is written; the consumer's
-        ``finished().received`` reports the request once the writes it expects arrived
-        (see ``expect_writes``). A write always moves byte ranges (no staging step): layouts
-        that match only in small pieces (NHD with a TP change) are written piece by piece.
+        Returns at once, like ``read``: the handshake and the posts run on the consumer's lane,
+        and their failures surface on the handle. Every consumer rank that needs heads this rank
+        holds is written; the consumer's ``finished().received`` reports the request once the
+        writes it expects arrived (see ``expect_writes``). A write always moves byte ranges (no
+        staging step): layouts that match only in small pieces (NHD with a TP change) are
+        written piece by piece.
+
+        Raises (at once): ConfigError, RequestInFlightError (``request_id`` already has a read or
+        write in flight here), BlockIdError, ClosedError.
         """
         self._check_open()
-        view = self._require_cache()
+        self._require_cache()
         local = check_block_ids("local", local_blocks, self.spec.num_blocks)
         remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
-        head = self._peers.get(*remote)
-        parts = []
-        for rank in range(head.spec.tp_size):
-            link = head if rank == head.spec.tp_rank else self._peers.get(remote[0], _rank_port(head, rank))
-            if self.spec.tp_rank not in peer_ranks(link.spec, self.spec.tp_size):
-                continue
-            plan = link.plans.get("write")
-            if plan is None:  # a write has no staging step: byte ranges, however small the pieces
-                plan = link.plans["write"] = build_plan(link.view, view, allow_conversion=False, mode="direct")
-            req = plan.for_request(remote_ids, local)
-            note = encode_notification(request_id, self.engine_id, self.config.auth_key)
-            parts.append(Part(link.agent_name, _Reversed(req), link.view.geometry.kind, note))
         timeout = self.config.transfer_timeout if timeout is None else timeout
-        handle = self._engine.submit(request_id, Direction.WRITE, parts, timeout=timeout)
+        deadline = None if timeout is None else self._clock.now() + timeout
+        req = self._engine.reserve(request_id, Direction.WRITE, deadline=deadline)
+        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         if self._metrics is not None:
-            handle.add_done_callback(partial(self._metrics.observe, "write", "direct"))
+            req.handle.add_done_callback(partial(self._metrics.observe, "write", "direct"))
+        self._lanes.put(_address(remote), PendingWrite(req, local, remote_ids, note, deadline))
         self._wake.set()
-        return handle
+        return req.handle
+
+    def _run_lane(self, remote: tuple[str, int], items: list) -> None:
+        """One producer's (or consumer's) batch of reads and writes, on its lane."""
+        reads = [item for item in items if isinstance(item, PendingRead)]
+        if reads:
+            self._reads.run(remote, reads)
+        writes = [item for item in items if isinstance(item, PendingWrite)]
+        if writes:
+            run_writes(self, remote, writes)
+        for item in items:
+            if isinstance(item, _PendingAbort):
+                outcome = self._tell_abort(item.request_id, item.remote, item.links)
+                log.debug("abort of %r: %s", item.request_id, outcome.value)
+
+    def _lane_crashed(self, items: list, exc: BaseException) -> None:
+        error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"internal error: {exc!r}")
+        for item in items:
+            if not isinstance(item, _PendingAbort):
+                self._engine.fail(item.req, error)
+        self._wake.set()
 
     def expect_writes(self, request_id: str, producers: int) -> None:
         """Consumer side of WRITE: report ``request_id`` received after ``producers`` writes (default 1)."""
         self._reports.expect_writes(request_id, producers)
 
-    def abort(self, request_id: str, remote: tuple[str, int] | None = None) -> AbortOutcome:
+    def abort(self, request_id: str, remote: tuple[str, int] | None = None, *,
+              wait: bool = True) -> AbortOutcome | None:
         """Consumer-side abort: cancel an in-flight read and tell the producer ranks to release.
 
         ``remote`` reaches a producer this agent has not claimed from yet (abort before read).
         A lost session or a restarted producer gets one fresh handshake. Never raises for the
         producer's state: returns what happened (``AbortOutcome``; the worst rank's outcome).
+
+        The local read is cancelled at once either way. ``wait=False`` returns None at once and
+        tells the producer from its lane (after any read of it queued before), for an engine
+        thread that must not wait on a peer; otherwise this call blocks for up to one round trip
+        per producer rank (``handshake_timeout`` each, plus one fresh handshake).
         """
         self._check_open()
+        if remote is None:  # a read not yet claimed (still on its lane): its producer is known
+            remote = self._read_remotes.get(request_id)
         links = self._claims.pop(request_id)  # before cancelling: the handle's callback drops it
         if self._engine is not None:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
+        if not wait:
+            key = _address(remote) if remote is not None else (
+                (links[0].host, links[0].port) if links else None)
+            if key is not None:
+                self._lanes.put(key, _PendingAbort(request_id, remote, links))
+            return None
+        return self._tell_abort(request_id, remote, links)
+
+    def _tell_abort(self, request_id: str, remote, links) -> AbortOutcome:
         if links is None and remote is not None:
             try:
                 links = [link for group in self._links_for(remote) for link in group]
@@ -430,6 +440,7 @@ class Agent:
             self._metrics.close()
         self._wake.set()
         self._thread.join(timeout=5)
+        self._lanes.close()
         if self._server is not None:
             self._server.close()
         if self._engine is not None:
@@ -469,17 +480,7 @@ class Agent:
     def _links_for(self, remote: tuple[str, int],
                    timeout: float | None = None) -> tuple[list[PeerLink], list[PeerLink]]:
         """Links to the remote ranks this rank reads from, and to those it only notifies."""
-        host, port = remote
-        head = self._peers.get(host, int(port), timeout=timeout)
-        tp = head.spec.tp_size
-        read = set(peer_ranks(self.spec, tp))
-
-        def link(rank: int) -> PeerLink:
-            return head if rank == head.spec.tp_rank else self._peers.get(host, _rank_port(head, rank),
-                                                                          timeout=timeout)
-
-        ranks = notify_ranks(self.spec, tp)
-        return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
+        return links_for(self._peers, self.spec, _address(remote), timeout)
 
     def _notify_done(self, link: PeerLink, request_id: str) -> None:
         """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""
@@ -487,6 +488,7 @@ class Agent:
         self._backend.notify(link.agent_name, note)
 
     def _on_read_done(self, handle: TransferHandle) -> None:
+        self._read_remotes.pop(handle.request_id, None)
         self._claims.pop(handle.request_id)
         self._reports.read_done(handle)
 
@@ -545,21 +547,19 @@ class Agent:
             self._wake.clear()
 
 
-class _Reversed:
-    """A RequestPlan seen from the writer: its local side is the plan's remote side."""
+@dataclass
+class _PendingAbort:
+    """An ``abort(wait=False)`` queued on the producer's lane."""
 
-    def __init__(self, req) -> None:
-        self.local, self.remote = req.remote, req.local
-        self.num_bytes, self.staging_bytes = req.num_bytes, 0
-
-
-def _cancel_jobs(parts) -> None:
-    """Stop the parts that move their own bytes (an IPC kernel is waited for, not recalled)."""
-    for part in parts:
-        if part.job is not None:
-            part.job.cancel()
+    request_id: str
+    remote: tuple[str, int] | None
+    links: list | None
 
 
-def _rank_port(head: PeerLink, rank: int) -> int:
-    """Side-channel port of another TP rank of the head's instance (ranks use consecutive ports)."""
-    return head.port - head.spec.tp_rank + rank
+def _address(remote) -> tuple[str, int]:
+    """``remote`` as a ``(host, port)`` key; ConfigError when it is not one."""
+    try:
+        host, port = remote
+        return str(host), int(port)
+    except (TypeError, ValueError):
+        raise ConfigError(f"remote must be a (host, port) pair; got {remote!r}") from None

@@ -4,8 +4,8 @@ Reads that move bytes without a NIXL transfer (CUDA IPC, the staged pipeline) ha
 completion notification to carry "this consumer is done" to the producer; a NIXL notification
 sent on its own would also need a UCX connection the transfer never made (and on a one-GPU
 host UCX's TCP wire-up of that connection was seen to fail). ``DoneSender`` instead sends a
-``Done`` message on the producer rank's link, from its own thread so the progress loop never
-waits on a round trip. A notice that cannot be delivered (even after the one fresh handshake the
+``Done`` message on the producer rank's link, from that rank's own lane so neither the
+progress loop nor another producer's notices ever wait on its round trip. A notice that cannot be delivered (even after the one fresh handshake the
 link's ``ask`` gets) is logged; the producer then frees the blocks when its lease expires (the
 bytes have already arrived).
 
@@ -21,10 +21,9 @@ GPU paths need fields it does not send), so this is the notify-only replicas' no
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from typing import Callable
 
+from kvxfer.agent.lanes import PeerLanes
 from kvxfer.errors import KvxferError
 from kvxfer.protocol import Done, Refuse
 
@@ -40,7 +39,8 @@ def knows_done(info) -> bool:
 
 
 class DoneSender:
-    """Delivers ``Done`` notices in order on one background thread. ``close`` drains and stops.
+    """Delivers ``Done`` notices, in order per producer rank, each rank on its own lane (a frozen
+    producer delays only its own notices). ``close`` drains and stops.
 
     Args:
         engine_id: this consumer's engine id (the notices' sender).
@@ -54,20 +54,17 @@ class DoneSender:
     def __init__(self, engine_id: str, ask: Callable[[object, Done], object],
                  notify: Callable[[object, str], None] | None = None) -> None:
         self._engine_id, self._ask, self._notify = engine_id, ask, notify
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvxfer-done", daemon=True)
-        self._thread.start()
+        self._lanes = PeerLanes("kvxfer-done", self._run)
 
     def send(self, link, request_id: str) -> None:
         """Queue a notice to ``link``'s producer rank (never blocks)."""
-        self._queue.put((link, request_id))
+        try:
+            self._lanes.put((link.host, link.port), (link, request_id))
+        except RuntimeError:
+            log.debug("done notice of %r after close: dropped (its lease will expire)", request_id)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            link, request_id = item
+    def _run(self, _key, items: list) -> None:
+        for link, request_id in items:
             try:
                 if self._notify is not None and not knows_done(link.info):
                     self._notify(link, request_id)  # an older producer: the notification it expects
@@ -81,5 +78,4 @@ class DoneSender:
                             request_id, link.engine_id, exc)
 
     def close(self, timeout: float = 5.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
+        self._lanes.close(timeout)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvxfer import (BlockIdError, KvxferError, KVSpec, LeaseExpiredError, PeerLostError,
-                    TransferTimeoutError)
+                    RequestInFlightError, TransferTimeoutError)
 from kvxfer.testing import expected_read, free_port_block, logical_kv
 
 from chaos_peers import (BIG, Peer, blocks_of, cache_for, consumer, fill, freeze, idle, rss, start_all,
@@ -101,6 +101,8 @@ def test_release_during_a_granted_read_never_frees_blocks_being_read(big_produce
         big_producer.ask(("hold", rid, src.tolist(), None, True))
         fill(cache, dst)
         handle = agent.read(big_producer.address, dst, src, rid, timeout=20)
+        # ``read`` returns before its claim is sent: release once the producer granted it.
+        wait_until(lambda: big_producer.ask(("stats",))["claimed_requests"] >= 1 or handle.done(), 10, step=0.001)
         # While the bytes move (False when this read already ended and freed the blocks).
         released_mid_read += big_producer.ask(("release", rid)) is True
         stats, error = _exact_or_typed(handle, 20)
@@ -127,6 +129,8 @@ def test_producer_stalled_past_its_lease_keeps_blocks_until_the_read_ends(big_pr
         big_producer.ask(("hold", rid, src.tolist(), 0.5, True))
         fill(cache, dst)
         handle = agent.read(big_producer.address, dst, src, rid, timeout=10)
+        # ``read`` returns before its claim is sent: stall the producer once it granted it.
+        wait_until(lambda: big_producer.ask(("stats",))["claimed_requests"] >= 1 or handle.done(), 10, step=0.001)
         os.kill(big_producer.pid, signal.SIGSTOP)  # a long GC pause or a starved CPU
         time.sleep(1.5)
         os.kill(big_producer.pid, signal.SIGCONT)
@@ -200,7 +204,7 @@ def test_bad_ids_are_typed_errors_and_consume_nothing(big_producer, big_consumer
     rid = f"ids-{abs(hash(str((local, remote))))}"
     big_producer.ask(("hold", rid, [20, 21], None, False))
     with pytest.raises(BlockIdError):
-        agent.read(big_producer.address, local, remote, rid, timeout=5)
+        agent.read(big_producer.address, local, remote, rid, timeout=5).wait()
     with pytest.raises(BlockIdError):
         agent.hold(rid, remote if local == [0] else local)
     fill(cache, [5, 6])
@@ -327,6 +331,8 @@ def test_consumer_killed_mid_transfer_frees_the_hold_after_its_window(monkeypatc
             src = list(range(200 + trial, 520 + trial))
             prod.ask(("hold", rid, src, None, True))
             cons.ask(("read", prod.address, list(range(320)), src, rid, 2.0))
+            # ``read`` returns before its claim is sent: kill once the producer granted it.
+            assert wait_until(lambda: prod.ask(("stats",))["claimed_requests"] >= 1, 10, step=0.001)
             time.sleep(0.01)
             cons.kill()
             # The window the dead consumer named (2 s) passes; then the blocks come back.
@@ -335,6 +341,49 @@ def test_consumer_killed_mid_transfer_frees_the_hold_after_its_window(monkeypatc
     finally:
         for peer in [prod, *consumers]:
             peer.stop()
+
+
+# ---- 9. a second read or write of a request already in flight --------------------------------
+def test_second_read_or_write_of_a_request_in_flight_is_refused_and_the_first_stays_exact(
+        big_producer, big_consumer):
+    """An engine retry or a duplicated scheduler event: a second ``read`` (or ``write``) of a
+    request whose first transfer is moving is refused at once, before anything is sent, and
+    changes nothing. The producer's hold ends only with the first read ("sent"), its engine reuses
+    the blocks the moment ``finished()`` lists them, and the first read is still exact."""
+    agent, cache = big_consumer
+    big_producer.ask(("reset",))
+    rng = np.random.default_rng(9)
+    srcs, dsts = _disjoint(rng, TRIALS, 120, BIG["num_blocks"]), _disjoint(rng, TRIALS, 120, BIG["num_blocks"])
+    refused_in_flight = 0
+    for trial, (src, dst) in enumerate(zip(srcs, dsts)):
+        rid = f"twice-{trial}"
+        want = big_producer.ask(("blocks", src.tolist()))
+        big_producer.ask(("hold", rid, src.tolist(), None, True))
+        fill(cache, dst)
+        first = agent.read(big_producer.address, dst, src, rid, timeout=20)
+        other = np.setdiff1d(np.arange(BIG["num_blocks"]), np.concatenate([dst, src]))[:120]
+        with pytest.raises(RequestInFlightError, match=rid):
+            agent.read(big_producer.address, other, src, rid, timeout=20)
+        with pytest.raises(RequestInFlightError, match=rid):
+            agent.write(big_producer.address, other, src, rid, timeout=20)
+        refused_in_flight += not first.done()
+        first.wait(25)
+        for got, exp in zip(blocks_of(cache, dst), want):
+            np.testing.assert_array_equal(got, exp)
+        assert wait_until(lambda: rid in big_producer.ask(("reused",)), 10)
+        assert (rid, "sent") in big_producer.ask(("freed",)), big_producer.ask(("freed",))
+        _check_no_late_bytes(agent, cache, dst)
+    assert refused_in_flight >= 1, "no second call came while the first read was in flight"
+    # A write in flight, written twice: the second is refused and the first lands exactly.
+    src, dst = srcs[0], dsts[0]
+    first = agent.write(big_producer.address, src, dst, "write-twice", timeout=20)
+    with pytest.raises(RequestInFlightError, match="write-twice"):
+        agent.write(big_producer.address, dsts[1], dst, "write-twice", timeout=20)
+    first.wait(25)
+    for got, exp in zip(big_producer.ask(("blocks", dst.tolist())), blocks_of(cache, src)):
+        np.testing.assert_array_equal(got, exp)
+    big_producer.ask(("reset",))
+    assert wait_until(lambda: idle(big_producer.ask(("stats",))), 10), big_producer.ask(("stats",))
 
 
 # ---- soak --------------------------------------------------------------------------------------
@@ -358,7 +407,7 @@ def test_soak_1000_requests_with_aborts_and_ungranted_reads(big_producer, big_co
         rid, src, dst = f"soak-{i}", src_all[i], [10 + (i % 2) * 2, 11 + (i % 2) * 2]
         if plan[i] == "ungranted":
             with pytest.raises(LeaseExpiredError):
-                agent.read(big_producer.address, dst, src, rid, timeout=10)
+                agent.read(big_producer.address, dst, src, rid, timeout=10).wait()
             counts["refused"] += 1
             continue
         fill(cache, dst)

@@ -79,7 +79,7 @@ def test_forced_staged_from_old_producer_is_a_config_error_and_changes_nothing(h
     before = snapshot(ccache)
     with pytest.raises(ConfigError, match=r"transfer_path='staged' cannot move this request: peer "
                                           r".* serves no staged reads \(no staging area announced\)"):
-        cons.read(old.address, [0, 3, 9], [5, 1, 7], "r")
+        cons.read(old.address, [0, 3, 9], [5, 1, 7], "r").wait()
     assert old.holding("r")
     assert_same(ccache, before)
     assert cons.read(new.address, [0, 3, 9], [5, 1, 7], "r").wait(5).mode == "staged"
@@ -94,7 +94,7 @@ def test_forced_ipc_from_old_producer_is_a_config_error_and_changes_nothing(harn
     prod.hold("r", [4])
     before = snapshot(ccache)
     with pytest.raises(ConfigError, match="transfer_path='ipc' cannot move this request: "):
-        cons.read(prod.address, [0], [4], "r")
+        cons.read(prod.address, [0], [4], "r").wait()
     assert prod.holding("r")
     assert_same(ccache, before)
 

@@ -91,7 +91,7 @@ def test_agent_read_gpu_paths_are_byte_exact_and_release_the_hold(producers, pro
         if path == "direct" and case in ("hnd-nhd", "tp1-2"):
             # a layout change, or half of each NHD token's heads, is not byte ranges between two GPU caches
             with pytest.raises(ConfigError, match="transfer_path='direct' cannot move this request"):
-                cons.read(producers[0].address, C_IDS, P_IDS, "r")
+                cons.read(producers[0].address, C_IDS, P_IDS, "r").wait()
             return
         stats = cons.read(producers[0].address, C_IDS, P_IDS, "r").wait(120)
         assert stats.mode == path
@@ -154,7 +154,7 @@ def test_ipc_read_of_a_request_not_held_is_refused_and_the_next_read_works(produ
     cons, cache = _consumer(spec, "ipc")
     with cons:
         with pytest.raises(LeaseExpiredError, match="not held"):
-            cons.read(producers[0].address, C_IDS, P_IDS, "never-held")
+            cons.read(producers[0].address, C_IDS, P_IDS, "never-held").wait()
         assert producers[0].ask("holding") == ["r"]
         others = [b for b in range(spec.num_blocks) if b not in set(C_IDS)]
         np.testing.assert_array_equal(logical(spec, _host(cache), others),

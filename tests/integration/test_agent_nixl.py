@@ -52,7 +52,7 @@ def test_read_same_layout_fragmented_ids_is_byte_exact_and_releases(producers):
         cons.abort("r2", remote=prod.address)
         assert prod.ask("holding") == []
         with pytest.raises(LeaseExpiredError):
-            cons.read(prod.address, dst_ids, src_ids, "r1")  # released: a late read is refused
+            cons.read(prod.address, dst_ids, src_ids, "r1").wait()  # released: a late read is refused
 
 
 def test_read_tp2_hnd_to_tp1_nhd_staged_is_byte_exact(producers):
@@ -119,7 +119,7 @@ def test_dead_producer_is_peer_lost_within_deadline(producers):
     with cons:
         t0 = time.monotonic()
         with pytest.raises(PeerLostError):
-            cons.read(address, [0], [1], "r")
+            cons.read(address, [0], [1], "r").wait()
         assert time.monotonic() - t0 < 10
 
 
@@ -151,7 +151,8 @@ def test_read_with_nixl_progress_threads_off_or_on_on_both_sides(producers, thre
 def test_claims_go_to_every_rank_and_one_refusal_undoes_the_others(producers):
     # Claims to several producer ranks are asked concurrently: when one rank does not hold the
     # request, the read fails with its reason, the rank that granted is told to release, and
-    # nothing was written into the consumer's cache.
+    # nothing outside the read's own destination blocks was written (its move may start while
+    # the claims travel); nothing lands in them after the handle ended.
     port = free_port_block()
     ids = [3, 4, 5]
     for rank, holds in ((0, {"r": ids}), (1, {})):
@@ -161,8 +162,11 @@ def test_claims_go_to_every_rank_and_one_refusal_undoes_the_others(producers):
     cons, cache = consumer(spec)
     with cons:
         with pytest.raises(LeaseExpiredError, match=r"refused 'r': request 'r' is not held"):
-            cons.read(producers[0].address, [0, 1, 2], ids, "r")
+            cons.read(producers[0].address, [0, 1, 2], ids, "r").wait()
+        ended = [c[:, :3].copy() for c in cache]
         assert poll(lambda: producers[0].ask("holding"), []) == []
+        for layer in range(spec.num_layers):
+            np.testing.assert_array_equal(cache[layer][:, :3], ended[layer])
     untouched = cache_for(spec, 99)
     for layer in range(spec.num_layers):
-        np.testing.assert_array_equal(cache[layer], untouched[layer])
+        np.testing.assert_array_equal(cache[layer][:, 3:], untouched[layer][:, 3:])

@@ -209,7 +209,7 @@ def test_forcing_staged_against_a_producer_without_staging_names_why(producers):
     cons, _ = consumer(spec, **STAGED)
     with cons:
         with pytest.raises(ConfigError, match="transfer_path='staged' cannot move this request: .*no staging"):
-            cons.read(prod.address, [0], [1], "r")
+            cons.read(prod.address, [0], [1], "r").wait()
         assert prod.ask("holding") == ["r"]   # nothing was claimed
 
 

@@ -35,7 +35,7 @@ def test_an_abort_from_another_engine_is_refused_and_the_named_consumer_still_re
         assert intruder.abort("victim", remote=prod.address) is AbortOutcome.REFUSED
         assert prod.ask("holding") == ["victim"]
         with pytest.raises(LeaseExpiredError, match="other consumer"):
-            intruder.read(prod.address, [0, 1, 2, 3], HOLD_BLOCKS, "victim")
+            intruder.read(prod.address, [0, 1, 2, 3], HOLD_BLOCKS, "victim").wait()
         cons.read(prod.address, [4, 5, 6, 7], HOLD_BLOCKS, "victim").wait(30)
         assert_read(cache, [4, 5, 6, 7], 1, HOLD_BLOCKS)
 
@@ -69,7 +69,7 @@ def test_only_named_engines_may_claim_heartbeat_or_abort(agents):
     prod.hold("open", [4])                                        # names nobody: anyone may act
     assert other.keepalive(prod.address, ["r", "s", "open"]) == ["r", "s"]   # not extended for it
     with pytest.raises(LeaseExpiredError, match="other consumer"):
-        other.read(prod.address, [0, 1], [1, 2], "r")
+        other.read(prod.address, [0, 1], [1, 2], "r").wait()
     assert other.abort("s", remote=prod.address) is AbortOutcome.REFUSED
     assert prod.holding("r") and prod.holding("s")
     assert named.keepalive(prod.address, ["r", "s"]) == []

@@ -1,0 +1,311 @@
+"""The consumer's reads, off the caller's thread: one producer's batch at a time (layer: agent).
+
+``Agent.read`` and ``read_many`` check what they can alone (ids, request ids, quarantine),
+reserve each request in the engine (so its handle exists, counts as in flight and can be
+aborted) and queue it on the producer's lane (``PeerLanes``). On that lane, ``ReadFlow.run``
+takes everything queued for the producer at once:
+
+1. the links to the producer's ranks (the handshake, for a new peer);
+2. each request's path and ids checked against the producer's spec (``plan_read``);
+3. one claim message per rank for every request (``Claims.send_many``);
+4. while the claims travel, every IPC request of the batch starts, in one kernel launch per
+   rank; staged requests send their pack requests right behind the claim;
+5. the answers: a granted IPC request may now succeed once its kernel passed; a granted direct
+   request is posted now (one NIXL post each), a staged one starts its pipeline; a refused one
+   fails with ``LeaseExpiredError``, and an IPC request's destination blocks stay in flight
+   until its kernel has passed.
+
+Why an IPC move may start before its grant: the producer places its hold before it publishes
+the ids, and frees a request's blocks only after its hold ended; a grant says the hold had not
+ended when the claim arrived, and the claim left before the kernel started, so every byte moved
+between the claim and the grant came from held blocks. A request succeeds only once granted
+and complete within its window (``TransferEngine``), so a read never reports bytes from blocks
+the producer freed. A producer that releases or expires the hold while the claim travels
+refuses it: that read fails, whatever it moved. NIXL moves wait for the grant: over TCP they
+need the producer's own progress, so a producer frozen at claim time would leave them pending,
+and the read's blocks quarantined, where waiting costs one round trip and leaves nothing
+behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvxfer.engine.paths.jobs import IpcJob
+from kvxfer.engine.paths.reading import ReadRoute, plan_read
+from kvxfer.engine.shared import SharedJob
+from kvxfer.engine.transfers import Part
+from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError, TransferTimeoutError
+from kvxfer.layout import notify_ranks, peer_ranks
+from kvxfer.types import TransferPath
+
+if TYPE_CHECKING:
+    from kvxfer.agent.core import Agent
+    from kvxfer.agent.peers import PeerLink
+
+__all__ = ["PendingRead", "ReadFlow", "links_for", "rank_port"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+@dataclass
+class PendingRead:
+    """A read reserved in the engine and queued on its producer's lane."""
+
+    req: object               # the engine's request (``TransferEngine.reserve``)
+    remote: tuple[str, int]
+    local: np.ndarray
+    remote_ids: np.ndarray
+    request_id: str
+    deadline: float | None
+    timeout: float | None
+    note: bytes
+    started: float            # perf_counter at the call
+    same_format: bool = False
+    route: ReadRoute | None = None
+    sent: list | None = None              # the claim's pending answers (``Claims.send_many``)
+    sent_error: KvxferError | None = None  # why the claim could not be sent
+    claim_started: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return not self.req.finished and self.req.error is None
+
+
+def rank_port(head: "PeerLink", rank: int) -> int:
+    """Side-channel port of another TP rank of the head's instance (ranks use consecutive ports)."""
+    return head.port - head.spec.tp_rank + rank
+
+
+def links_for(peers, spec, remote: tuple[str, int], timeout: float | None = None):
+    """Links to the remote ranks a rank of ``spec`` reads from, and to those it only notifies."""
+    host, port = remote
+    head = peers.get(host, int(port), timeout=timeout)
+    tp = head.spec.tp_size
+    read = set(peer_ranks(spec, tp))
+
+    def link(rank: int):
+        return head if rank == head.spec.tp_rank else peers.get(host, rank_port(head, rank), timeout=timeout)
+
+    ranks = notify_ranks(spec, tp)
+    return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
+
+
+class ReadFlow:
+    """Runs the reads queued for one producer (see the module doc). Owned by an ``Agent``."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+
+    # ---- the lane's batch ---------------------------------------------------------
+    def run(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
+        """Carry out ``reads`` (all to ``remote``); every one ends on its handle, typed."""
+        pending = [r for r in reads if r.live]
+        for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
+            if not pending:
+                return
+            try:
+                links, notify_only = links_for(self._agent._peers, self._agent.spec, remote,
+                                               self._time_left(pending))
+            except KvxferError as exc:
+                self._fail_all(pending, exc)
+                return
+            routed = [r for r in pending if self._route(r, links)]
+            if not routed:
+                return
+            lost = self._claim(routed, links + notify_only)
+            if lost and attempt == 1:
+                for link in links + notify_only:
+                    self._agent._peers.drop(link)
+            elif lost:
+                for r in lost:
+                    self._fail(r, r.sent_error)
+            self._start(r for r in routed if r not in lost)
+            self._settle([r for r in routed if r not in lost], links)
+            pending = [r for r in lost if r.live] if attempt == 1 else []
+
+    def crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
+        """The lane's batch raised something unexpected: fail what it left unfinished."""
+        error = exc if isinstance(exc, KvxferError) else ClosedError(f"read failed: {exc!r}")
+        self._fail_all([r for r in reads if r.live], error)
+
+    # ---- steps -------------------------------------------------------------------
+    def _route(self, r: PendingRead, links: list) -> bool:
+        """Choose ``r``'s path; False (``r`` failed) on a layout or id error."""
+        agent = self._agent
+        try:
+            if r.same_format:
+                _check_same_format(agent.spec, links)
+            r.route = plan_read(agent._kit, agent.config.transfer_path, agent._require_cache(), links,
+                                r.local, r.remote_ids, r.request_id, r.note, agent.config.allow_conversion)
+            return True
+        except KvxferError as exc:
+            self._fail(r, exc)
+            return False
+
+    def _claim(self, reads: list[PendingRead], links: list) -> list[PendingRead]:
+        """Send every read's claim (one message per rank); returns the reads whose claim could not
+        even be sent because the peer was lost (nothing of theirs started: they may retry)."""
+        claims = self._agent._claims
+        try:
+            wait = self._time_left(reads)
+        except TransferTimeoutError as exc:
+            self._fail_all(reads, exc)
+            return []
+        items = [(r.request_id, r.remote_ids, self._window(r)) for r in reads]
+        started = time.perf_counter()
+        for r in reads:
+            r.claim_started = started
+        lost = []
+        for r, sent in zip(reads, claims.send_many(items, links, timeout=wait)):
+            r.sent = sent
+            errors = [p for _, p in sent if isinstance(p, PeerLostError)]
+            if errors:
+                claims.undo(r.request_id, [(lk, p) for lk, p in sent if not isinstance(p, KvxferError)])
+                r.sent_error = errors[0]
+                lost.append(r)
+        return lost
+
+    def _start(self, reads) -> None:
+        """Start what may move before the grant: IPC (one launch per rank for the batch), direct
+        posts; send the staged reads' pack requests behind their claims."""
+        agent = self._agent
+        reads = list(reads)
+        ipc = [r for r in reads if r.route.mode is TransferPath.IPC]
+        if ipc:
+            self._launch_ipc(ipc)
+        view = agent._require_cache()
+        for r in reads:
+            if r.route.mode is TransferPath.STAGED and r.live:
+                try:
+                    r.route.send_packs(agent._kit, view, r.timeout, self._time_left([r]))
+                except KvxferError as exc:
+                    self._fail(r, exc)
+
+    def _launch_ipc(self, reads: list[PendingRead]) -> None:
+        """One pair-copy launch per producer rank for every IPC read of the batch, one event."""
+        agent, engine = self._agent, self._agent._engine
+        view = agent._require_cache()
+        with engine.posting([r.req for r in reads]) as live_reqs:
+            live = [r for r in reads if r.req in live_reqs]
+            if not live:
+                return
+            links = live[0].route.links
+            try:
+                local = np.concatenate([r.local for r in live])
+                remote = np.concatenate([r.remote_ids for r in live])
+                copies = [agent._kit.direct_template(link, view).copy(remote, local) for link in links]
+                launches, event = agent._kit.launch_and_record(copies)
+            except KvxferError as exc:
+                for r in live:
+                    self._fail(r, exc)
+                return
+            total = sum(c.nbytes for c in copies)
+            shared = SharedJob(IpcJob(launches, event, total, len(copies)), members=len(live) * len(links))
+            tokens = np.array([r.local.size for r in live], dtype=np.float64)
+            for r, share in zip(live, tokens / tokens.sum()):
+                parts = [Part(link.agent_name, None, link.view.geometry.kind, r.note,
+                              job=shared.member(int(round(c.nbytes * share)), 1))
+                         for link, c in zip(links, copies)]
+                for link, part in zip(links, parts):
+                    part.on_done = partial(agent._done.send, link, r.request_id)
+                self._attach(r, parts, started=True)
+
+    def _post_direct(self, r: PendingRead) -> None:
+        """Post a granted direct read (its NIXL transfer carries the completion notification)."""
+        agent = self._agent
+        parts = r.route.start(agent._kit, agent._require_cache(), r.timeout, 0.0)
+        with agent._engine.posting([r.req]):
+            if not self._attach(r, parts, started=False):
+                agent._claims.give_back(r.request_id)  # not posted (failed meanwhile): no read comes
+
+    def _attach(self, r: PendingRead, parts: list, started: bool) -> bool:
+        agent = self._agent
+        route = r.route
+        done_links = list(route.links) if route.chunked else []
+        done_links += [lk for lk in self._notify_only(r)]
+        if done_links:
+            r.req.on_success = lambda: [agent._done.send(link, r.request_id) for link in done_links]
+        mode = None if route.mode is TransferPath.DIRECT else route.mode
+        return agent._engine.attach(r.req, parts, mode=mode, setup_seconds=time.perf_counter() - r.started,
+                                    started=started)
+
+    def _notify_only(self, r: PendingRead) -> list:
+        return [link for link, _ in (r.sent or ()) if link not in r.route.links]
+
+    def _settle(self, reads: list[PendingRead], links: list) -> None:
+        """Take each read's claim answers: grant it (staged reads start now) or fail it."""
+        agent = self._agent
+        claims = agent._claims
+        for r in reads:
+            try:
+                claims.answers(r.request_id, r.sent)
+            except KvxferError as exc:
+                if r.route.mode is TransferPath.STAGED:
+                    r.route.drop_packs(agent._kit)
+                self._fail(r, exc)
+                continue
+            claimed = time.perf_counter() - r.claim_started
+            if not r.live:  # aborted, or its deadline passed, meanwhile: the grant is not wanted
+                if r.route.mode is TransferPath.STAGED:
+                    r.route.drop_packs(agent._kit)
+                claims.give_back(r.request_id)
+                continue
+            if r.route.mode is TransferPath.DIRECT:
+                self._post_direct(r)
+            elif r.route.mode is TransferPath.STAGED:
+                try:
+                    parts = r.route.start(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
+                except KvxferError as exc:
+                    claims.give_back(r.request_id)
+                    self._fail(r, exc)
+                    continue
+                for link, part in zip(r.route.links, parts):
+                    part.on_done = partial(agent._done.send, link, r.request_id)
+                with agent._engine.posting([r.req]):
+                    self._attach(r, parts, started=True)
+            agent._engine.grant(r.req, claim_seconds=claimed)
+            agent._wake.set()
+
+    # ---- helpers -----------------------------------------------------------------
+    def _fail(self, r: PendingRead, exc: KvxferError) -> None:
+        self._agent._engine.fail(r.req, exc)
+        self._agent._wake.set()
+
+    def _fail_all(self, reads: list[PendingRead], exc: KvxferError) -> None:
+        for r in reads:
+            self._fail(r, exc)
+
+    def _window(self, r: PendingRead) -> float:
+        """The transfer window the claim asks for: what is left of the read's timeout (0: none)."""
+        if r.deadline is None:
+            return 0.0
+        return max(1e-3, r.deadline - self._agent._clock.now())
+
+    def _time_left(self, reads: list[PendingRead]) -> float:
+        """Seconds the batch's next round trip may take: the least left of its reads' windows,
+        capped by the handshake timeout. Raises TransferTimeoutError when none is left."""
+        limit = self._agent.config.handshake_timeout
+        deadlines = [r.deadline for r in reads if r.deadline is not None]
+        if not deadlines:
+            return limit
+        left = min(deadlines) - self._agent._clock.now()
+        if left <= 0:
+            raise TransferTimeoutError("a read's timeout passed before its transfer started")
+        return min(left, limit)
+
+
+def _check_same_format(spec, links: list) -> None:
+    for link in links:
+        peer = link.spec
+        if (peer.layout, peer.storage, peer.block_size) != (spec.layout, spec.storage, spec.block_size):
+            raise LayoutError(
+                f"the read asks for the same format: producer {link.engine_id} has layout {peer.layout.value}, "
+                f"storage {peer.storage.value}, block size {peer.block_size}; this cache has "
+                f"{spec.layout.value}, {spec.storage.value}, block size {spec.block_size}")
