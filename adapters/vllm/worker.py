@@ -1,21 +1,26 @@
 """Worker side of KvxferConnector: one kvxfer Agent per worker (TP rank) that holds, reads and reports.
 
-Engine-thread calls stay short: holds and releases are local table updates; reads, aborts
-and producer releases (which may handshake with a peer) run on one background thread, in
-order, so a slow or dead peer never stalls a forward step.
+Engine-thread calls stay short: holds and releases are local table updates; a step's loads are
+submitted together with ``Agent.read_many``, which returns at once and moves them on kvxfer's
+threads, one per producer (so a slow or frozen prefill instance delays only its own loads);
+aborts and producer releases go on the producer's lane too (``abort(wait=False)``).
+
+A failed load whose destination blocks kvxfer reports quarantined (its transfer is not confirmed
+ended) is not reported to vLLM until kvxfer reclaims those blocks (``finished().reclaimed``):
+vLLM keeps the blocks with the request until it sees the load finished, so it can neither
+recompute into them nor give them to another request while bytes may still land.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer import Agent, ConfigError, KvxferError, TransferHandle
+from kvxfer import Agent, ConfigError, KvxferError, ReadRequest, TransferHandle
 
 from kvxfer_vllm.cache import CacheDescription, describe_cache
-from kvxfer_vllm.metadata import LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
+from kvxfer_vllm.metadata import LoadOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.settings import Settings
 from kvxfer_vllm.stats import KvxferKVConnectorStats
 
@@ -29,8 +34,10 @@ class LoadRefused(KvxferError):
 @dataclass
 class _Load:
     order: LoadOrder
-    started: Future                       # resolves to a TransferHandle, or raises
+    handle: TransferHandle | None         # None: refused before it started (``refused``)
+    refused: KvxferError | None = None
     cancelled: bool = False
+    held_back: bool = False               # failed with quarantined blocks, not yet reported
 
 
 @dataclass
@@ -58,8 +65,8 @@ class KvxferWorker:
         self._single_group = single_group
         self._agent: Agent | None = None
         self._cache: CacheDescription | None = None
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvxfer-read-{tp_rank}")
         self._loads: dict[str, _Load] = {}
+        self._reclaimed: set[str] = set()   # producer request ids whose quarantined blocks are free again
         self._kept: set[str] = set()        # producer requests vLLM keeps until we report them
         self._released: set[str] = set()    # producer requests the agent let go, not yet reported
         self._ignored: set[str] = set()     # holds dropped on vLLM's behalf: never reported
@@ -118,15 +125,14 @@ class KvxferWorker:
         for request_id in orders.dropped:
             self._ignored.add(request_id)
             agent.release(request_id)
-        for order in orders.loads:
-            self._loads[order.request_id] = _Load(order, self._reader.submit(self._start_read, order))
+        self._start_loads(agent, orders.loads)
         for release in orders.releases:
-            self._reader.submit(self._release_remote, release)
+            agent.abort(release.remote_request_id, remote=(release.host, release.port), wait=False)
         for request_id in orders.cancels:
             load = self._loads.get(request_id)
             if load is not None and not load.cancelled:
                 load.cancelled = True
-                self._reader.submit(self._abort, load.order)
+                agent.abort(load.order.remote_request_id, remote=(load.order.host, load.order.port), wait=False)
 
     def collect(self) -> _Reports:
         """Completions since the last call (sending, receiving, failed receives and their blocks)."""
@@ -145,14 +151,15 @@ class KvxferWorker:
                 self._kept.discard(request_id)
                 self._released.discard(request_id)
                 out.sending.add(request_id)
+        self._reclaimed |= fin.reclaimed
         for request_id, load in list(self._loads.items()):
             error = self._outcome(load)
-            if error is False:
+            if error is False or self._held_back(load, error):
                 continue
             del self._loads[request_id]
             out.recving.add(request_id)
             if error is None:
-                self._stats.record_transfer(load.started.result().wait(0))
+                self._stats.record_transfer(load.handle.wait(0))
             elif not load.cancelled:
                 self._stats.record_failed_transfer()
             if error is not None:
@@ -170,7 +177,6 @@ class KvxferWorker:
         return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     def close(self) -> None:
-        self._reader.shutdown(wait=False, cancel_futures=True)
         if self._agent is not None:
             self._agent.close()
             self._agent = None
@@ -181,51 +187,57 @@ class KvxferWorker:
             raise KvxferError("the KV cache was not registered with kvxfer yet")
         return self._agent
 
+    def _held_back(self, load: _Load, error) -> bool:
+        """Whether a failed load waits for kvxfer to reclaim its quarantined blocks (see the module
+        doc); True until ``finished().reclaimed`` named its producer request."""
+        quarantined = getattr(error, "quarantined_blocks", None) if error else None
+        rid = load.order.remote_request_id
+        if not quarantined or rid in self._reclaimed:
+            self._reclaimed.discard(rid)
+            return False
+        if not load.held_back:
+            load.held_back = True
+            log.warning("kvxfer: load of %s failed with %d blocks quarantined (its transfer is not confirmed "
+                        "ended): reported to vLLM once kvxfer reclaims them (%s)", load.order.request_id,
+                        len(quarantined), error)
+        return True
+
     @staticmethod
     def _outcome(load: _Load) -> "KvxferError | None | bool":
         """False while running; None on success; the error otherwise."""
-        if not load.started.done():
+        if load.handle is None:
+            return load.refused
+        if not load.handle.done():
             return False
-        error = load.started.exception()
-        if error is not None:
-            return error
-        handle: TransferHandle = load.started.result()
-        if not handle.done():
-            return False
-        error = handle.exception()
+        error = load.handle.exception()
         if error is None:
-            stats = handle.wait(0)
+            stats = load.handle.wait(0)
             log.info("kvxfer read %s: %d bytes, %d descriptors, %.3f ms (%s)", load.order.request_id,
                      stats.num_bytes, stats.descriptors, stats.seconds * 1e3, stats.mode)
         return error
 
-    def _start_read(self, order: LoadOrder) -> TransferHandle:
+    def _start_loads(self, agent: Agent, orders: list[LoadOrder]) -> None:
+        """Submit a step's loads together (never waits on a peer); a load refused at once fails alone."""
         cache = self._cache
-        if cache is not None and not cache.head_slices_exact and order.remote_tp_size != self._tp_size:
-            raise LoadRefused(
-                f"{cache.note}: a peer with TP {order.remote_tp_size} needs head slices, which this "
-                f"cache description cannot place exactly (local TP {self._tp_size})")
-        agent = self._require_agent()
-        if cache is not None and cache.same_format_only:
-            peer = agent.connect(order.host, order.port).spec
-            mine = cache.spec
-            if (peer.layout, peer.storage, peer.block_size) != (mine.layout, mine.storage, mine.block_size):
-                raise LoadRefused(
-                    f"{cache.note}: a peer with layout {peer.layout.value}, storage {peer.storage.value}, "
-                    f"block size {peer.block_size} needs a conversion this cache cannot take exactly "
-                    f"(local {mine.layout.value}, {mine.storage.value}, block size {mine.block_size})")
-        return agent.read((order.host, order.port), list(order.local_blocks),
-                          list(order.remote_blocks), order.remote_request_id)
-
-    def _abort(self, order: LoadOrder) -> None:
+        ready: list[LoadOrder] = []
+        for order in orders:
+            if cache is not None and not cache.head_slices_exact and order.remote_tp_size != self._tp_size:
+                self._loads[order.request_id] = _Load(order, None, LoadRefused(
+                    f"{cache.note}: a peer with TP {order.remote_tp_size} needs head slices, which this "
+                    f"cache description cannot place exactly (local TP {self._tp_size})"))
+            else:
+                ready.append(order)
+        same_format = bool(cache is not None and cache.same_format_only)
+        requests = [ReadRequest((o.host, o.port), list(o.local_blocks), list(o.remote_blocks),
+                                o.remote_request_id, same_format=same_format) for o in ready]
         try:
-            self._require_agent().abort(order.remote_request_id, remote=(order.host, order.port))
-        except KvxferError as exc:
-            log.warning("kvxfer: abort of %s at %s:%d: %s", order.remote_request_id, order.host, order.port, exc)
-
-    def _release_remote(self, release: ReleaseOrder) -> None:
-        try:
-            self._require_agent().abort(release.remote_request_id, remote=(release.host, release.port))
-        except KvxferError as exc:
-            log.warning("kvxfer: release of %s at %s:%d: %s", release.remote_request_id, release.host,
-                        release.port, exc)
+            handles = agent.read_many(requests)
+        except KvxferError:  # one bad load refuses the batch: submit them one by one to find it
+            for order, request in zip(ready, requests):
+                try:
+                    self._loads[order.request_id] = _Load(order, agent.read_many([request])[0])
+                except KvxferError as exc:
+                    self._loads[order.request_id] = _Load(order, None, exc)
+            return
+        for order, handle in zip(ready, handles):
+            self._loads[order.request_id] = _Load(order, handle)
