@@ -163,3 +163,39 @@ def test_ipc_read_of_a_request_not_held_is_refused_and_the_next_read_works(produ
         got = _host(cache)
     np.testing.assert_array_equal(logical(spec, got, C_IDS), logical(spec, host_cache(spec, 10), P_IDS))
     assert _poll(lambda: producers[0].ask("holding"), []) == []
+
+
+@pytest.mark.parametrize("path", ["ipc", "staged"])
+def test_read_many_gpu_batch_is_exact_per_request_and_a_refused_claim_fails_alone(producers, producer_gpu, path):
+    """One step of six reads from one producer (on the IPC path: one kernel launch for all of
+    them): each lands exactly in its own blocks; the one the producer does not hold fails typed
+    and no byte lands in its blocks after its handle ended; untouched blocks stay untouched."""
+    from kvxfer import KVSpec, LeaseExpiredError, ReadRequest
+
+    spec = KVSpec(**COMMON)
+    p_ids = [P_IDS[2 * i:2 * i + 2] for i in range(6)]
+    c_ids = [C_IDS[2 * i:2 * i + 2] for i in range(6)]
+    holds = {f"b{i}": p_ids[i] for i in range(6) if i != 3}
+    producers.append(GpuProducer(spec, 10, free_port_block(), producer_gpu, holds, transfer_path="auto", **SMALL))
+    cons, cache = _consumer(spec, path)
+    with cons:
+        handles = cons.read_many([ReadRequest(producers[0].address, c_ids[i], p_ids[i], f"b{i}", timeout=60)
+                                  for i in range(6)])
+        for i, handle in enumerate(handles):
+            if i == 3:
+                with pytest.raises(LeaseExpiredError, match="not held"):
+                    handle.wait(90)
+            else:
+                assert handle.wait(90).mode == path
+        ended = logical(spec, _host(cache), c_ids[3])
+        time.sleep(0.3)
+        got = _host(cache)
+    np.testing.assert_array_equal(logical(spec, got, c_ids[3]), ended)
+    source = [(spec, host_cache(spec, 10))]
+    for i in range(6):
+        if i != 3:
+            np.testing.assert_array_equal(logical(spec, got, c_ids[i]),
+                                          expect_read(spec, host_cache(spec, 99), c_ids[i], source, p_ids[i]))
+    others = [b for b in range(spec.num_blocks) if b not in set(C_IDS)]
+    np.testing.assert_array_equal(logical(spec, got, others), logical(spec, host_cache(spec, 99), others))
+    assert _poll(lambda: producers[0].ask("holding"), []) == []
