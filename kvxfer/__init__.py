@@ -8,6 +8,7 @@ See docs/api.md for the public API and docs/architecture.md for the layers.
 from kvxfer.config import AgentConfig
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.errors import (
+    AlreadyHeldError,
     AuthenticationError,
     BackendError,
     BlockIdError,
@@ -23,9 +24,12 @@ from kvxfer.errors import (
     TransferError,
     TransferFailedError,
     TransferTimeoutError,
+    WaitTimeout,
 )
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
-from kvxfer.types import AbortOutcome, Direction, MemKind, ReleaseReason, TransferPath
+from kvxfer.types import (
+    AbortOutcome, Direction, KeepaliveResult, MemKind, ReleaseOutcome, ReleaseReason, RequestState, TransferPath,
+)
 
 __version__ = "0.1.0"
 
@@ -45,6 +49,7 @@ __all__ = [
     "Agent",
     "AgentConfig",
     "AgentStats",
+    "AlreadyHeldError",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
@@ -55,6 +60,7 @@ __all__ = [
     "Finished",
     "IncompatiblePeerError",
     "KVSpec",
+    "KeepaliveResult",
     "KvxferError",
     "Layout",
     "LayoutError",
@@ -63,7 +69,9 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "RegistrationError",
+    "ReleaseOutcome",
     "ReleaseReason",
+    "RequestState",
     "Storage",
     "TransferError",
     "TransferFailedError",
@@ -71,5 +79,6 @@ __all__ = [
     "TransferPath",
     "TransferStats",
     "TransferTimeoutError",
+    "WaitTimeout",
     "__version__",
 ]

@@ -115,7 +115,7 @@ class Transfers:
         except KvxferError:
             return  # closed
         with self._lock:
-            for request_id in fin.sent | fin.expired:
+            for request_id in fin.freed:
                 blocks = self._held.pop(request_id, None)
                 if blocks is not None:
                     self._pool.free(blocks)

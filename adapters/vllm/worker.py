@@ -136,7 +136,7 @@ class KvxferWorker:
         fin = self._agent.finished()
         for _ in fin.expired - self._ignored:
             self._stats.record_expired_req()
-        self._released |= fin.sent | fin.expired
+        self._released |= fin.freed
         for request_id in list(self._released):
             if request_id in self._ignored:
                 self._ignored.discard(request_id)

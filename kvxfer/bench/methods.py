@@ -411,7 +411,7 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
     while True:
         fin = ag.finished()
         sent |= set(fin.sent)
-        expired |= set(fin.expired)
+        expired |= set(fin.expired) | set(fin.aborted)
         missing = [rid for rid in rids if rid not in sent]
         if not missing or time.monotonic() > settle:
             break

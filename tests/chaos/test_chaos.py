@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer import (BlockIdError, KvxferError, KVSpec, LeaseExpiredError, PeerLostError,
+from kvxfer import (BlockIdError, KvxferError, KVSpec, LeaseExpiredError, PeerLostError, ReleaseOutcome,
                     TransferTimeoutError)
 from kvxfer.testing import expected_read, free_port_block, logical_kv
 
@@ -101,8 +101,9 @@ def test_release_during_a_granted_read_never_frees_blocks_being_read(big_produce
         big_producer.ask(("hold", rid, src.tolist(), None, True))
         fill(cache, dst)
         handle = agent.read(big_producer.address, dst, src, rid, timeout=20)
-        # While the bytes move (False when this read already ended and freed the blocks).
-        released_mid_read += big_producer.ask(("release", rid)) is True
+        # While the bytes move: the blocks are free only once finished() lists the request
+        # (FREE_NOW when this read already ended and freed the blocks).
+        released_mid_read += big_producer.ask(("release", rid)) is ReleaseOutcome.FREE_WHEN_FINISHED
         stats, error = _exact_or_typed(handle, 20)
         if error is None:
             for got, exp in zip(blocks_of(cache, dst), want):
