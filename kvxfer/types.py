@@ -64,7 +64,7 @@ class ReleaseOutcome(enum.Enum):
     FREE_NOW: no consumer was reading; the blocks are free on return (``finished().aborted``
     lists the request too). FREE_WHEN_FINISHED: a consumer's claim window is open, so a read may
     still be moving the blocks: new claims are refused now, and the blocks are free only once
-    ``finished()`` lists the request (in ``aborted``, or ``sent`` if the read completes).
+    ``finished()`` lists the request (in ``aborted``, even if that read completes).
     ALREADY_ENDING: an earlier release, abort or expiry already ends the hold and is waiting on
     a window: reuse once ``finished()`` lists it. NOT_HELD: nothing is held under this id
     (never held, or already listed by ``finished()``): the engine owns the blocks.

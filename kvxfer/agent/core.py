@@ -222,7 +222,7 @@ class Agent:
         The blocks may be reused at once only when this returns ``ReleaseOutcome.FREE_NOW`` (or
         NOT_HELD: nothing was held). FREE_WHEN_FINISHED: a consumer's claim window is open, a
         read may still be moving the blocks: reuse them only once ``finished()`` lists the
-        request (``aborted``, or ``sent`` if that read completes). ALREADY_ENDING: an earlier
+        request (in ``aborted``, even if that read completes). ALREADY_ENDING: an earlier
         release, abort or expiry is already waiting on a window: the same rule. See
         ``ReleaseOutcome``. Does not block; never raises for the request's state; thread-safe.
         """
