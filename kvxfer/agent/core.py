@@ -107,6 +107,7 @@ class Agent:
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._closed = False
+        self._setup = threading.Lock()  # register and listen run once each, whichever thread calls
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
         self._thread.start()
@@ -122,11 +123,17 @@ class Agent:
 
     # ---- set-up --------------------------------------------------------------------
     def register(self, tensors) -> None:
-        """Register this rank's KV cache (shapes as ``spec.tensor_shapes()``).
+        """Register this rank's KV cache (shapes as ``spec.tensor_shapes()``). Blocks while NIXL
+        registers the memory (and a host staging area is faulted in). Thread-safe: of two calls,
+        one registers and the other raises.
 
         Raises:
             RegistrationError: the tensors do not match the spec, or a cache is already registered.
         """
+        with self._setup:
+            self._register(tensors)
+
+    def _register(self, tensors) -> None:
         self._check_open()
         if self._view is not None:
             raise RegistrationError("a KV cache is already registered with this agent")
@@ -145,7 +152,12 @@ class Agent:
                                       on_reclaimed=self._reports.reclaimed)
 
     def listen(self) -> tuple[str, int]:
-        """Start the side-channel listener; returns the bound (host, port). Idempotent."""
+        """Start the side-channel listener; returns the bound (host, port). Idempotent and
+        thread-safe (one listener however many threads call). Blocks until the socket is bound."""
+        with self._setup:
+            return self._listen()
+
+    def _listen(self) -> tuple[str, int]:
         self._check_open()
         self._require_cache()
         if self._address is not None:

@@ -247,3 +247,37 @@ def test_keepalive_reports_gone_and_never_raises_for_a_dead_rank(harness):
     prod.close()
     beat = cons.keepalive(address, ["kept"])
     assert beat.unreachable == (tuple(address),) and beat.gone == ()
+
+
+# ---- 10. one Agent shared between threads -------------------------------------------------------
+def test_one_agent_shared_by_threads_reads_exact_and_reports_each_request_once(harness):
+    s = spec(num_blocks=64)
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    threads, rounds = 4, 6
+    errors, seen = [], []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(rounds):
+                rid, src, dst = f"t{t}-{i}", [t * 8 + i % 8], [t * 8 + (i + 1) % 8]
+                prod.hold(rid, src)
+                cons.read(prod.address, dst, src, rid).wait(5)
+                for layer in range(s.num_layers):
+                    np.testing.assert_array_equal(ccache[layer][:, dst], pcache[layer][:, src])
+                assert cons.status(rid) is RequestState.RECEIVED
+                seen.append(cons.finished().received)   # several readers drain: each id once overall
+                cons.stats()
+        except Exception as exc:  # noqa: BLE001 - reported below, on the test's thread
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join(30)
+    assert errors == []
+    seen.append(cons.finished().received)
+    ids = [rid for batch in seen for rid in batch]
+    assert sorted(ids) == sorted(f"t{t}-{i}" for t in range(threads) for i in range(rounds))
+    assert wait_for(lambda: prod.stats().held_requests == 0)
