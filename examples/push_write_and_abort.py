@@ -31,7 +31,7 @@ def prefill(decode_ready, aborted) -> None:
         agent.hold("held-2", [7, 8])  # held before the write, so it exists when the decode side aborts it
         if not decode_ready.wait(60):
             raise SystemExit("decode did not start")
-        agent.write(("127.0.0.1", DECODE_PORT), [4, 5, 6], [0, 1, 2], "pushed-1").wait(60)
+        agent.write(("127.0.0.1", DECODE_PORT), [4, 5, 6], [0, 1, 2], "pushed-1", timeout=60).wait()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if "held-2" in agent.finished().aborted:
