@@ -134,7 +134,7 @@ class KvxferWorker:
         if self._agent is None:
             return out
         fin = self._agent.finished()
-        for _ in fin.expired - self._ignored:
+        for _ in (fin.expired | fin.aborted) - self._ignored:  # ended without every decoder done
             self._stats.record_expired_req()
         self._released |= fin.freed
         for request_id in list(self._released):
