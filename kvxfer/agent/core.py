@@ -250,7 +250,8 @@ class Agent:
         parts of an engine may ask (``finished()`` has one reader: it drains).
 
         Producer: HELD, CLAIMED, ENDING, then SENT, ABORTED or EXPIRED (the blocks are free).
-        Consumer: IN_FLIGHT, then RECEIVED, FAILED, or QUARANTINED and later RECLAIMED. UNKNOWN:
+        Consumer: IN_FLIGHT once the transfer is posted (while ``read`` is still claiming, the
+        request's previous state), then RECEIVED, FAILED, or QUARANTINED and later RECLAIMED. UNKNOWN:
         never seen here, or forgotten: ended requests are remembered for the most recent
         ``kvxfer.agent.reports.STATUS_MEMORY`` (10,000) of them, oldest forgotten first. A
         write's sender sees IN_FLIGHT and then UNKNOWN (its handle has the outcome). Does not
