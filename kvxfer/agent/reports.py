@@ -41,6 +41,14 @@ class Finished:
         """Producer requests whose blocks the engine may reuse now: ``sent | aborted | expired``."""
         return self.sent | self.aborted | self.expired
 
+    def reason(self, request_id: str) -> ReleaseReason | None:
+        """Why the hold of ``request_id`` ended (``ReleaseReason``), or None if it is not in ``freed``."""
+        for reason, ids in ((ReleaseReason.SENT, self.sent), (ReleaseReason.ABORTED, self.aborted),
+                            (ReleaseReason.EXPIRED, self.expired)):
+            if request_id in ids:
+                return reason
+        return None
+
 
 @dataclass(frozen=True)
 class AgentStats:

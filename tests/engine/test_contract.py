@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from kvxfer import (AbortOutcome, AlreadyHeldError, ConfigError, ReleaseOutcome, RequestState,
+from kvxfer import (AbortOutcome, AlreadyHeldError, ConfigError, ReleaseOutcome, ReleaseReason, RequestState,
                     TransferTimeoutError, WaitTimeout)
 from kvxfer.agent.reports import Reports
 
@@ -58,6 +58,8 @@ def test_a_consumer_abort_is_reported_aborted_and_a_lapsed_lease_expired(harness
     assert wait_for(lambda: not prod.holding("by-lease"))
     fin = prod.finished()
     assert fin.aborted == {"by-abort"} and fin.expired == {"by-lease"} and fin.freed == {"by-abort", "by-lease"}
+    assert fin.reason("by-abort") is ReleaseReason.ABORTED and fin.reason("by-lease") is ReleaseReason.EXPIRED
+    assert fin.reason("never") is None
 
 
 # ---- 5. hold() of a held request --------------------------------------------------------------
