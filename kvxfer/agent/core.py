@@ -274,7 +274,14 @@ class Agent:
 
     # ---- consumer ------------------------------------------------------------------
     def connect(self, host: str, port: int, *, refresh: bool = False) -> PeerLink:
-        """Handshake with the agent at host:port (cached). Raises PeerLostError if nobody answers."""
+        """Handshake with the agent at host:port (cached; ``refresh``: handshake again). Blocks for
+        one handshake, at most ``config.handshake_timeout``; a cached link returns at once.
+        Thread-safe (one handshake per address however many threads ask).
+
+        Raises:
+            PeerLostError: nobody answers. IncompatiblePeerError, AuthenticationError: a peer
+                that must not be used.
+        """
         self._check_open()
         self._require_cache()
         return self._peers.get(host, port, refresh=refresh)
