@@ -12,8 +12,8 @@ import warnings
 import numpy as np
 import pytest
 
-from kvxfer import (AbortOutcome, AlreadyHeldError, ConfigError, ReleaseOutcome, ReleaseReason, RequestState,
-                    TransferTimeoutError, WaitTimeout)
+from kvxfer import (AbortOutcome, AlreadyHeldError, ConfigError, KvxferError, ReleaseOutcome, ReleaseReason,
+                    RequestState, TransferTimeoutError, WaitTimeout)
 from kvxfer.agent.reports import Reports
 
 from agent_helpers import spec, wait_for
@@ -283,3 +283,30 @@ def test_one_agent_shared_by_threads_reads_exact_and_reports_each_request_once(h
     ids = [rid for batch in seen for rid in batch]
     assert sorted(ids) == sorted(f"t{t}-{i}" for t in range(threads) for i in range(rounds))
     assert wait_for(lambda: prod.stats().held_requests == 0)
+
+
+# ---- sequences an engine makes: an abort racing the completion, reuse on finished() -----------
+def test_an_abort_racing_the_completion_ends_one_way_and_the_hold_is_freed_once(harness):
+    s = spec(num_blocks=32)
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        rid, src, dst = f"race-{trial}", [trial % 16, 16 + trial % 16], [trial % 16, 16 + trial % 16]
+        prod.hold(rid, src)
+        handle = cons.read(prod.address, dst, src, rid, timeout=5)
+        time.sleep(float(rng.uniform(0, 0.002)))       # the abort lands before, during or after the copy
+        outcome = cons.abort(rid)
+        try:
+            handle.wait()
+        except KvxferError:
+            assert cons.status(rid) in (RequestState.FAILED, RequestState.QUARANTINED)
+        else:
+            assert cons.status(rid) is RequestState.RECEIVED
+            for layer in range(s.num_layers):
+                np.testing.assert_array_equal(ccache[layer][:, dst], pcache[layer][:, src])
+        assert outcome in (AbortOutcome.RELEASED, AbortOutcome.NOT_HELD, AbortOutcome.NOT_TOLD)
+        assert wait_for(lambda: not prod.holding(rid))
+        fin = prod.finished()
+        assert fin.freed == {rid} and fin.reason(rid) in (ReleaseReason.SENT, ReleaseReason.ABORTED)
+    assert prod.finished().freed == set() and cons.stats().in_flight == 0
