@@ -191,6 +191,7 @@ class Agent:
 
     @property
     def cache(self) -> CacheView:
+        """The registered cache's view (spec and geometry). Raises RegistrationError before ``register``."""
         return self._require_cache()
 
     # ---- producer ------------------------------------------------------------------
@@ -532,7 +533,8 @@ class Agent:
 
     def stats(self) -> AgentStats:
         """A snapshot of what this agent holds now (holds, claims, in-flight and quarantined
-        transfers, side-channel sessions, rejected frames); see ``AgentStats``."""
+        transfers, side-channel sessions, rejected frames); see ``AgentStats``. Does not block
+        (short locks); drains nothing; thread-safe."""
         holds = self._leases.counts()
         engine = self._engine.counts() if self._engine is not None else None
         counters = getattr(self._server, "counters", None)
@@ -547,7 +549,10 @@ class Agent:
 
     # ---- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
-        """Stop listening, fail in-flight transfers, deregister memory. Idempotent."""
+        """Stop listening, fail in-flight transfers (``ClosedError`` on their handles), deregister
+        memory. Blocks up to ~5 s for the progress thread, plus up to 0.25 s per in-flight
+        transfer to confirm its end. Idempotent and thread-safe; calls racing it, or made after
+        it, raise ``ClosedError``. Holds end with the agent: nothing reports them afterwards."""
         if self._closed:
             return
         self._closed = True
