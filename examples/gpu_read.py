@@ -61,7 +61,7 @@ def prefill(device: str, path: str, port: int, ready, done) -> None:
         agent.listen()
         agent.hold("req-7", SRC)
         ready.set()
-        while "req-7" not in agent.finished().sent:   # released once the decode side is done
+        while "req-7" not in agent.finished().freed:  # sent once the decode side is done (or aborted, expired)
             done.wait(0.01)
 
 
@@ -71,12 +71,12 @@ def decode(device: str, path: str, port: int) -> None:
                          pipeline_slot_bytes=64 << 10, pipeline_slots=4)
     with Agent("decode", DECODE, config) as agent:
         agent.register(cache)
-        stats = agent.read(("127.0.0.1", port), DST, SRC, "req-7").wait(timeout=60)
+        stats = agent.read(("127.0.0.1", port), DST, SRC, "req-7", timeout=60).wait()
         got = [t if device == "cpu" else t.cpu().numpy() for t in cache]
         want = tokens_nhd(PREFILL, host_cache(PREFILL, seed=1), SRC)
         assert np.array_equal(tokens_nhd(DECODE, got, DST), want), "read bytes differ"
         print(f"decode ({device}, transfer_path={path}): path {stats.mode}, {stats.num_bytes} bytes "
-              f"in {stats.seconds * 1e3:.1f} ms; HND -> NHD, every byte matches")
+              f"in {stats.total_seconds * 1e3:.1f} ms; HND -> NHD, every byte matches")
 
 
 def run(device: str, path: str, port: int) -> int:

@@ -46,7 +46,7 @@ def main() -> int:
     cache = cache_for(spec, seed=9)
     with Agent("decode", spec, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=PORT + 10)) as agent:
         agent.register(cache)
-        stats = agent.read(("127.0.0.1", PORT), [0, 1], [5, 6], "req-7").wait(30)
+        stats = agent.read(("127.0.0.1", PORT), [0, 1], [5, 6], "req-7", timeout=30).wait()
     stop.set()
     for p in procs:
         p.join(10)

@@ -49,7 +49,7 @@ def decode(prefill_metrics) -> None:
     config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=PORT + 1, metrics_port=0)
     with Agent("decode", SPEC, config) as agent:
         agent.register(make_cache(seed=2))
-        stats = agent.read(("127.0.0.1", PORT), [0, 1, 2], [10, 11, 3], "req-7").wait(timeout=30)
+        stats = agent.read(("127.0.0.1", PORT), [0, 1, 2], [10, 11, 3], "req-7", timeout=30).wait()
         ok = 'kvxfer_agent_transfers_total{direction="read",outcome="ok",path="direct"}'
         moved = 'kvxfer_agent_transfer_bytes_total{direction="read",path="direct"}'
         for _ in range(500):   # the counters move on the completing thread, just after wait() returns

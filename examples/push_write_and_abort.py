@@ -4,7 +4,7 @@ Run:  python examples/push_write_and_abort.py
 1. The decode process listens; the prefill process writes a request's blocks into it and the
    decode side sees the request in ``finished().received``.
 2. The prefill process holds a second request; the decode side aborts it before reading and the
-   prefill side sees it released in ``finished().expired`` (no 480 s wait).
+   prefill side sees it released in ``finished().aborted`` (no 480 s wait).
 """
 
 import multiprocessing as mp
@@ -31,10 +31,10 @@ def prefill(decode_ready, aborted) -> None:
         agent.hold("held-2", [7, 8])  # held before the write, so it exists when the decode side aborts it
         if not decode_ready.wait(60):
             raise SystemExit("decode did not start")
-        agent.write(("127.0.0.1", DECODE_PORT), [4, 5, 6], [0, 1, 2], "pushed-1").wait(60)
+        agent.write(("127.0.0.1", DECODE_PORT), [4, 5, 6], [0, 1, 2], "pushed-1", timeout=60).wait()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if "held-2" in agent.finished().expired:
+            if "held-2" in agent.finished().aborted:
                 aborted.set()
                 return
             time.sleep(0.01)

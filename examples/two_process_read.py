@@ -9,7 +9,7 @@ import multiprocessing as mp
 
 import numpy as np
 
-from kvxfer import Agent, AgentConfig, KVSpec
+from kvxfer import Agent, AgentConfig, KVSpec, RequestState
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", layout="NHD", model="example-model")
@@ -30,8 +30,9 @@ def prefill(ready, done) -> None:
         agent.listen()
         agent.hold("req-42", [10, 11, 3])     # blocks of the request, in token order
         ready.set()
-        while "req-42" not in agent.finished().sent:   # released once the decode side is done
+        while "req-42" not in agent.finished().freed:  # sent once the decode side is done (or aborted, expired)
             done.wait(0.01)
+        assert agent.status("req-42") is RequestState.SENT
     print("prefill: decode finished reading req-42; its blocks are free again")
 
 
@@ -40,12 +41,12 @@ def decode() -> None:
     config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=PORT + 1)
     with Agent("decode", SPEC, config) as agent:
         agent.register(cache)
-        stats = agent.read(("127.0.0.1", PORT), [0, 1, 2], [10, 11, 3], "req-42").wait(timeout=30)
+        stats = agent.read(("127.0.0.1", PORT), [0, 1, 2], [10, 11, 3], "req-42", timeout=30).wait()
         expected = make_cache(seed=1)
         for layer in range(SPEC.num_layers):
             assert np.array_equal(cache[layer][:, [0, 1, 2]], expected[layer][:, [10, 11, 3]])
         print(f"decode: {stats.num_bytes} bytes in {stats.descriptors} descriptors, "
-              f"{stats.seconds * 1e3:.2f} ms; every byte matches")
+              f"{stats.total_seconds * 1e3:.2f} ms from read() to completion; every byte matches")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ See docs/api.md for the public API and docs/architecture.md for the layers.
 from kvxfer.config import AgentConfig
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.errors import (
+    AlreadyHeldError,
     AuthenticationError,
     BackendError,
     BlockIdError,
@@ -24,9 +25,13 @@ from kvxfer.errors import (
     TransferError,
     TransferFailedError,
     TransferTimeoutError,
+    WaitTimeout,
 )
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
-from kvxfer.types import AbortOutcome, Direction, MemKind, ReadRequest, ReleaseReason, TransferPath
+from kvxfer.types import (
+    AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
+    TransferPath,
+)
 
 __version__ = "0.1.0"
 
@@ -46,6 +51,7 @@ __all__ = [
     "Agent",
     "AgentConfig",
     "AgentStats",
+    "AlreadyHeldError",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
@@ -56,6 +62,7 @@ __all__ = [
     "Finished",
     "IncompatiblePeerError",
     "KVSpec",
+    "KeepaliveResult",
     "KvxferError",
     "Layout",
     "LayoutError",
@@ -65,8 +72,10 @@ __all__ = [
     "ProtocolError",
     "ReadRequest",
     "RegistrationError",
+    "ReleaseOutcome",
     "ReleaseReason",
     "RequestInFlightError",
+    "RequestState",
     "Storage",
     "TransferError",
     "TransferFailedError",
@@ -74,5 +83,6 @@ __all__ = [
     "TransferPath",
     "TransferStats",
     "TransferTimeoutError",
+    "WaitTimeout",
     "__version__",
 ]

@@ -135,7 +135,7 @@ def _scenario(title: str, p_specs: list[KVSpec], d_spec: KVSpec, n_blocks: int, 
             agent.connect("127.0.0.1", port)
             handshake_ms = (time.perf_counter() - t0) * 1e3
             # the first request pays for connection warm-up; like the raw rows, report the best
-            runs = [agent.read(("127.0.0.1", port), d_blocks, p_blocks, f"{REQUEST}-{i}").wait(300)
+            runs = [agent.read(("127.0.0.1", port), d_blocks, p_blocks, f"{REQUEST}-{i}", timeout=300).wait()
                     for i in range(reps)]
             stats = min(runs, key=lambda st: st.seconds)
             # verify: the decode's blocks hold exactly the prefill's logical KV for these tokens

@@ -2,6 +2,7 @@
 
     KvxferError
     ├── ConfigError                 bad configuration or arguments (unknown backend, bad env value)
+    │   ├── AlreadyHeldError        ``hold`` of a request this agent already holds
     │   └── RequestInFlightError    a second transfer of a request id this agent is still moving
     ├── LayoutError                 a KVSpec or a pair of specs that cannot be combined
     │   └── BlockIdError            a block id outside the cache, or mismatched id lists
@@ -15,7 +16,11 @@
     │   ├── PeerLostError           the peer went away (or restarted) mid-conversation
     │   └── LeaseExpiredError       the producer no longer holds the blocks (expired or released)
     ├── BackendError                the transport library itself failed (NIXL, UCX)
-    └── ClosedError                 the object was used after *you* closed it
+    ├── ClosedError                 the object was used after *you* closed it
+    └── WaitTimeout                 a *wait* ran out; the transfer goes on (also a TimeoutError)
+
+``WaitTimeout`` is not a ``TransferError``: nothing failed, the caller only stopped waiting.
+``TransferTimeoutError`` is a transfer that failed because its own deadline passed.
 
 Every error that compares two values names both (``expected ...; got ...``).
 """
@@ -23,6 +28,7 @@ Every error that compares two values names both (``expected ...; got ...``).
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyHeldError",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
@@ -39,6 +45,7 @@ __all__ = [
     "TransferError",
     "TransferFailedError",
     "TransferTimeoutError",
+    "WaitTimeout",
 ]
 
 
@@ -54,6 +61,16 @@ class RequestInFlightError(ConfigError):
     """A read or write names a request id that already has a transfer in flight (or quarantined)
     on this agent. Refused before anything is sent: the first transfer and the producer's hold
     are untouched."""
+
+
+class AlreadyHeldError(ConfigError):
+    """``Agent.hold`` of a request id this agent already holds (its message names the request and
+    both block lists' sizes). Hold under a new id, wait until ``finished()`` lists the request,
+    or pass ``replace=True`` (refused while a claim window is open)."""
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class LayoutError(KvxferError, ValueError):
@@ -106,3 +123,17 @@ class BackendError(KvxferError):
 
 class ClosedError(KvxferError):
     """The object was used after it was closed by its owner."""
+
+
+class WaitTimeout(KvxferError, TimeoutError):
+    """A wait (``TransferHandle.wait(timeout)``) ran out before the transfer completed.
+
+    Not a transfer failure: the transfer goes on (``handle.done()`` is False, its blocks stay in
+    flight) and completes, or fails typed, by its own deadline. Wait again, or ``Agent.abort``
+    it. Carries ``request_id`` and the ``timeout`` that ran out.
+    """
+
+    def __init__(self, message: str, request_id: str = "", timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.timeout = timeout

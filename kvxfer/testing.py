@@ -102,13 +102,13 @@ def serve_commands(agent, holds: dict, cmd, out, timeout: float = 300.0,
 
     Holds ``holds`` (request id -> block ids), reports ``("ready", address)``, then answers
     commands until ``"stop"``: ``"holding"`` (the ids of ``holds`` still held), ``"finished"``
-    (``(sent, expired)`` since the last call) and any name in ``extra`` (``fn(agent)``)."""
+    (``(sent, expired, aborted)`` since the last call) and any name in ``extra`` (``fn(agent)``)."""
     for rid, blocks in holds.items():
         agent.hold(rid, blocks)
     out.put(("ready", agent.address))
     answers: dict[str, Callable[[Any], Any]] = {
         "holding": lambda a: sorted(rid for rid in holds if a.holding(rid)),
-        "finished": lambda a: (lambda fin: (sorted(fin.sent), sorted(fin.expired)))(a.finished()),
+        "finished": lambda a: (lambda fin: (sorted(fin.sent), sorted(fin.expired), sorted(fin.aborted)))(a.finished()),
         **(extra or {}),
     }
     while True:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AbortOutcome", "MemKind", "ReadRequest", "Region", "ReleaseReason", "SessionState", "TransferPath", "XferState",
-           "Direction"]
+__all__ = ["AbortOutcome", "Direction", "KeepaliveResult", "MemKind", "ReadRequest", "Region", "ReleaseOutcome",
+           "ReleaseReason", "RequestState", "SessionState", "TransferPath", "XferState"]
 
 
 class MemKind(str, enum.Enum):
@@ -45,8 +45,10 @@ class TransferPath(str, enum.Enum):
 
 
 class ReleaseReason(str, enum.Enum):
-    """Why a producer's hold ended (its blocks are free): every consumer reported done (SENT),
-    ``release``/a consumer's abort (ABORTED), or its lease or a claim window lapsed (EXPIRED)."""
+    """Why a producer's hold ended (its blocks are free), as ``Agent.finished()`` sorts it:
+    every consumer reported done (SENT, ``Finished.sent``), ``release`` or a consumer's abort
+    (ABORTED, ``Finished.aborted``), or its lease or a claim window lapsed without the
+    consumer's done (EXPIRED, ``Finished.expired``). Members compare equal to their strings."""
 
     SENT = "sent"
     ABORTED = "aborted"
@@ -56,28 +58,114 @@ class ReleaseReason(str, enum.Enum):
         return self.value
 
 
+class ReleaseOutcome(enum.Enum):
+    """What ``Agent.release`` did, and so when the engine may reuse the request's blocks.
+
+    FREE_NOW: no consumer was reading; the blocks are free on return (``finished().aborted``
+    lists the request too). FREE_WHEN_FINISHED: a consumer's claim window is open, so a read may
+    still be moving the blocks: new claims are refused now, and the blocks are free only once
+    ``finished()`` lists the request (in ``aborted``, even if that read completes).
+    ALREADY_ENDING: an earlier release, abort or expiry already ends the hold and is waiting on
+    a window: reuse once ``finished()`` lists it. NOT_HELD: nothing is held under this id
+    (never held, or already listed by ``finished()``): the engine owns the blocks.
+    """
+
+    FREE_NOW = "free_now"
+    FREE_WHEN_FINISHED = "free_when_finished"
+    ALREADY_ENDING = "already_ending"
+    NOT_HELD = "not_held"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __bool__(self) -> bool:
+        """True when this call ended the hold (FREE_NOW, FREE_WHEN_FINISHED): ``release`` returned
+        that bool before it returned this enum. It says nothing about reuse: see ``free_now``."""
+        return self in (ReleaseOutcome.FREE_NOW, ReleaseOutcome.FREE_WHEN_FINISHED)
+
+    @property
+    def free_now(self) -> bool:
+        """True when the engine may reuse the blocks on return (FREE_NOW, NOT_HELD); otherwise
+        only once ``finished()`` lists the request."""
+        return self in (ReleaseOutcome.FREE_NOW, ReleaseOutcome.NOT_HELD)
+
+
 class AbortOutcome(str, enum.Enum):
     """What ``Agent.abort`` achieved at the producer ranks it told (the worst one counts).
 
-    RELEASED: a producer released its hold. NOT_HELD: no producer held the request (already
-    released, expired or never held; or no producer was told). REFUSED: a producer refused
-    (its hold names other consumer engines). UNREACHABLE: a producer could not be reached even
-    after a fresh handshake; its hold ends with its lease.
+    RELEASED: a producer released its hold (at once, or once the windows of other consumers
+    close). NOT_HELD: every producer told answered that it did not hold the request (already
+    sent, released, expired, or never held there). NOT_TOLD: no producer was told: this agent
+    has no claim for the request and ``abort`` got no ``remote`` to reach one; pass ``remote``
+    to release a hold this agent never claimed. REFUSED: a producer refused (its hold names
+    other consumer engines). UNREACHABLE: a producer could not be reached even after a fresh
+    handshake; its hold ends with its lease.
     """
 
     RELEASED = "released"
     NOT_HELD = "not_held"
+    NOT_TOLD = "not_told"
     REFUSED = "refused"
     UNREACHABLE = "unreachable"
 
     @classmethod
     def combine(cls, outcomes) -> "AbortOutcome":
-        """One outcome for several ranks: unreachable, then refused, then released, else not held."""
+        """One outcome for several ranks: unreachable, then refused, then released, then not
+        held; NOT_TOLD when there were none."""
         seen = set(outcomes)
-        for worst in (cls.UNREACHABLE, cls.REFUSED, cls.RELEASED):
+        for worst in (cls.UNREACHABLE, cls.REFUSED, cls.RELEASED, cls.NOT_HELD):
             if worst in seen:
                 return worst
-        return cls.NOT_HELD
+        return cls.NOT_TOLD
+
+
+@dataclass(frozen=True)
+class KeepaliveResult:
+    """What ``Agent.keepalive`` learned from a producer instance's ranks.
+
+    ``gone``: requests some reachable rank no longer holds (sent, released, expired, never held,
+    or held for other consumer engines): stop waiting on them. ``unreachable``: ``(host, port)``
+    of ranks that could not be reached even after a fresh handshake; their holds were not
+    extended and end with their leases unless a later keepalive reaches them. ``ok``: every rank
+    answered and none of the requests is gone.
+    """
+
+    gone: tuple[str, ...] = ()
+    unreachable: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.gone and not self.unreachable
+
+
+class RequestState(str, enum.Enum):
+    """Where one request stands on this agent (``Agent.status``; it drains nothing).
+
+    Producer side: HELD (held, no consumer reading), CLAIMED (a consumer's claim window is
+    open), ENDING (released, aborted or expired while a window is open: free once it closes),
+    then SENT, ABORTED or EXPIRED (free: the same sets as ``Finished``). Consumer side:
+    IN_FLIGHT (a read or write not ended yet, a failed one still draining included), RECEIVED
+    (every byte arrived), FAILED (ended with an error; its blocks are the engine's again),
+    QUARANTINED (failed and not confirmed ended: keep its blocks out of use) and RECLAIMED
+    (a quarantined request's blocks are free again). UNKNOWN: never seen, or forgotten (see
+    ``Agent.status`` for how long ended requests are remembered).
+    """
+
+    UNKNOWN = "unknown"
+    HELD = "held"
+    CLAIMED = "claimed"
+    ENDING = "ending"
+    SENT = "sent"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+    IN_FLIGHT = "in_flight"
+    RECEIVED = "received"
+    FAILED = "failed"
+    QUARANTINED = "quarantined"
+    RECLAIMED = "reclaimed"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class SessionState(str, enum.Enum):

@@ -37,3 +37,21 @@ def test_cross_engine_cpu_example():
                           timeout=580, env=env, cwd=root)
     assert proc.returncode == 0, f"cross_engine_cpu.sh failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.rstrip().endswith("equal"), proc.stdout
+
+
+def test_readme_first_example_keeps_the_contract():
+    """The README's first example compiles, keeps the producer's Agent up until ``finished()`` lists
+    the request, and puts the deadline on the read itself, not only on a wait."""
+    import ast
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    tree = ast.parse(code)
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)]
+    reads = [c for c in calls if c.func.attr == "read"]
+    assert reads and all(any(k.arg == "timeout" for k in c.keywords) for c in reads), "read() without its deadline"
+    assert "finished().freed" in code, "the producer must stay up until finished() lists the request"
+    holds = [c.lineno for c in calls if c.func.attr == "hold"]
+    loops = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.While)]
+    assert holds and any(line > holds[0] for line in loops), "no loop after hold(): the Agent closes at once"

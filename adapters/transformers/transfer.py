@@ -4,9 +4,11 @@ Layer: adapter; kvxfer's public API only (``Agent``, errors). No model code here
 passes block ids and token counts; this module owns the Agent and who owns which block.
 
 Block ownership: a block is free (in the pool's list), *held* (prefilled, the Agent keeps it
-for a decoder until ``finished()`` reports the request sent or expired), *landing* (a read's
-destination until the read ends), or *quarantined* (a read failed after it was posted: kvxfer
-may not be able to confirm that no byte still lands there, so the block is never reused).
+for a decoder until ``finished()`` lists the request in ``freed``), *landing* (a read's
+destination until the read ends), or *quarantined* (a read failed and kvxfer could not confirm
+that its transfer ended, ``error.quarantined_blocks``: bytes may still land there). A
+quarantined block returns to the pool only once ``finished().reclaimed`` lists its request;
+the landing blocks of a read that failed and did end return at once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from kvxfer import Agent, KvxferError, TransferError
+from kvxfer import Agent, KvxferError, RequestState, WaitTimeout
 
 from kvxfer_transformers.params import RemotePrefill
 from kvxfer_transformers.pool import KVPool
@@ -24,8 +26,13 @@ from kvxfer_transformers.settings import ServeSettings
 
 log = logging.getLogger("kvxfer_transformers.transfer")
 
-#: Seconds between drains of ``Agent.finished()`` (frees held blocks a decoder is done with).
+#: Seconds between drains of ``Agent.finished()`` (frees held blocks a decoder is done with, and
+#: quarantined blocks kvxfer reclaimed).
 REAP_INTERVAL = 0.2
+
+#: Seconds a load whose wait ran out gives its aborted read to end (kvxfer fails it within its
+#: drain grace, 0.25 s, past its deadline) before its landing blocks count as quarantined.
+ABORT_SETTLE = 2.0
 
 
 class IncompatibleKOrder(KvxferError):
@@ -68,15 +75,22 @@ def read_extent(remote: RemotePrefill, prompt_len: int, peer_block: int,
 
 class Transfers:
     """Owns the Agent over ``pool``: ``hold`` (prefill side), ``load`` (decode side), and a reaper
-    thread that returns held blocks once their decoder is done or their lease ran out."""
+    thread that returns held blocks once their decoder is done or their lease ran out, and
+    quarantined blocks once kvxfer reclaimed them.
 
-    def __init__(self, pool: KVPool, settings: ServeSettings, name: str = "hf") -> None:
+    ``agent``: the Agent to use, not yet registered (default: one built from ``settings``; tests
+    pass one over ``kvxfer.testing.FakeBackend``). Transfers registers the pool on it, listens,
+    and closes it.
+    """
+
+    def __init__(self, pool: KVPool, settings: ServeSettings, name: str = "hf", *,
+                 agent: Agent | None = None) -> None:
         self._pool = pool
         self._settings = settings
-        self._agent = Agent(name, pool.spec, settings.agent_config())
+        self._agent = agent if agent is not None else Agent(name, pool.spec, settings.agent_config())
         self._held: dict[str, list[int]] = {}
+        self._quarantined: dict[str, list[int]] = {}  # request id -> its landing blocks kvxfer quarantined
         self._lock = threading.Lock()
-        self.quarantined: list[int] = []
         try:
             self._agent.register(pool.tensors)
             self.address = self._agent.listen()
@@ -96,6 +110,12 @@ class Transfers:
         with self._lock:
             return len(self._held)
 
+    @property
+    def quarantined(self) -> list[int]:
+        """Landing blocks out of the pool until kvxfer reclaims them (``finished().reclaimed``)."""
+        with self._lock:
+            return [b for blocks in self._quarantined.values() for b in blocks]
+
     # ---- producer --------------------------------------------------------------------
     def hold(self, request_id: str, blocks: list[int]) -> None:
         """Keep ``blocks`` (already filled) for a decoder; they return to the pool when it is done
@@ -109,15 +129,21 @@ class Transfers:
             self.reap()
 
     def reap(self) -> None:
-        """Free the blocks of every held request the Agent let go (sent or expired)."""
+        """Free the blocks of every held request the Agent let go (sent, aborted or expired) and
+        the quarantined landing blocks of every failed read it reclaimed."""
         try:
             fin = self._agent.finished()
         except KvxferError:
             return  # closed
         with self._lock:
-            for request_id in fin.sent | fin.expired:
+            for request_id in fin.freed:
                 blocks = self._held.pop(request_id, None)
                 if blocks is not None:
+                    self._pool.free(blocks)
+            for request_id in fin.reclaimed:
+                blocks = self._quarantined.pop(request_id, None)
+                if blocks is not None:
+                    log.info("read of %s: %d quarantined landing blocks reclaimed", request_id, len(blocks))
                     self._pool.free(blocks)
 
     # ---- consumer --------------------------------------------------------------------
@@ -152,7 +178,7 @@ class Transfers:
         try:
             stats = handle.wait(timeout)
         except KvxferError as exc:
-            self._give_up(remote, landing, exc)
+            self._give_up(remote, landing, handle)
             raise LoadFailed(f"read of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
         mode = getattr(stats.mode, "value", stats.mode) or "direct"
         return Landed(landing, tokens, stats.seconds, stats.num_bytes, str(mode))
@@ -164,19 +190,38 @@ class Transfers:
         except KvxferError as exc:
             log.warning("release of %s at %s:%d: %s", remote.request_id, remote.host, remote.port, exc)
 
-    def _give_up(self, remote: RemotePrefill, landing: list[int], exc: KvxferError) -> None:
-        """A posted read failed: tell the producer, and keep its landing blocks out of use."""
+    def _give_up(self, remote: RemotePrefill, landing: list[int], handle) -> None:
+        """A posted read failed, or its wait ran out: tell the producer, then return the landing
+        blocks to the pool, except those kvxfer quarantined (kept out until reclaimed)."""
         try:
             self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
         except KvxferError as abort_exc:
             log.warning("abort of %s after a failed read: %s", remote.request_id, abort_exc)
-        if isinstance(exc, TransferError):
-            with self._lock:
-                self.quarantined.extend(landing)
-            log.warning("read of %s failed (%s); %d landing blocks quarantined", remote.request_id, exc,
-                        len(landing))
-        else:
-            self._pool.free(landing)
+        try:
+            handle.wait(ABORT_SETTLE)  # the abort cancelled the read: it ends within its drain grace
+        except WaitTimeout:
+            log.warning("read of %s: not ended %.1f s after its abort; its %d landing blocks stay out",
+                        remote.request_id, ABORT_SETTLE, len(landing))
+            self._keep_out(remote.request_id, landing)
+            return
+        except KvxferError:
+            pass  # the read's own failure: what its error says about the blocks decides below
+        error = handle.exception()
+        quarantined = set(getattr(error, "quarantined_blocks", None) or ())
+        self._pool.free([b for b in landing if b not in quarantined])
+        if quarantined:
+            log.warning("read of %s failed (%s); %d landing blocks quarantined until kvxfer reclaims them",
+                        remote.request_id, error, len(quarantined))
+            self._keep_out(remote.request_id, [b for b in landing if b in quarantined])
+
+    def _keep_out(self, request_id: str, blocks: list[int]) -> None:
+        """Keep quarantined ``blocks`` out of the pool until ``reap`` sees ``request_id`` reclaimed.
+        The reaper may have drained that report already: ``status`` still says so."""
+        with self._lock:
+            if self._agent.status(request_id) is RequestState.RECLAIMED:
+                self._pool.free(blocks)
+                return
+            self._quarantined[request_id] = list(blocks)
 
     def close(self) -> None:
         """Stop the reaper and close the Agent (held requests end with it); harmless twice."""

@@ -120,7 +120,7 @@ class KvxferWorker:
         """Carry out one step's orders (called before the forward pass)."""
         agent = self._require_agent()
         for request_id, blocks in orders.holds.items():
-            agent.hold(request_id, blocks)
+            agent.hold(request_id, blocks, replace=True)  # the scheduler re-holds a request decoded past its prompt
         self._kept |= orders.kept
         for request_id in orders.dropped:
             self._ignored.add(request_id)
@@ -140,9 +140,9 @@ class KvxferWorker:
         if self._agent is None:
             return out
         fin = self._agent.finished()
-        for _ in fin.expired - self._ignored:
+        for _ in (fin.expired | fin.aborted) - self._ignored:  # ended without every decoder done
             self._stats.record_expired_req()
-        self._released |= fin.sent | fin.expired
+        self._released |= fin.freed
         for request_id in list(self._released):
             if request_id in self._ignored:
                 self._ignored.discard(request_id)

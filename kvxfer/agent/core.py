@@ -48,7 +48,10 @@ from kvxfer.protocol import (
 from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
 from kvxfer.transport.zmq import ZmqTransport
-from kvxfer.types import AbortOutcome, Direction, MemKind, ReadRequest
+from kvxfer.types import (
+    AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
+    TransferPath,
+)
 
 __all__ = ["Agent", "Finished"]
 
@@ -110,6 +113,7 @@ class Agent:
         self._read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
         self._lanes = PeerLanes("kvxfer-peer", self._run_lane, self._lane_crashed)
         self._closed = False
+        self._setup = threading.Lock()  # register and listen run once each, whichever thread calls
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
         self._thread.start()
@@ -125,11 +129,17 @@ class Agent:
 
     # ---- set-up --------------------------------------------------------------------
     def register(self, tensors) -> None:
-        """Register this rank's KV cache (shapes as ``spec.tensor_shapes()``).
+        """Register this rank's KV cache (shapes as ``spec.tensor_shapes()``). Blocks while NIXL
+        registers the memory (and a host staging area is faulted in). Thread-safe: of two calls,
+        one registers and the other raises.
 
         Raises:
             RegistrationError: the tensors do not match the spec, or a cache is already registered.
         """
+        with self._setup:
+            self._register(tensors)
+
+    def _register(self, tensors) -> None:
         self._check_open()
         if self._view is not None:
             raise RegistrationError("a KV cache is already registered with this agent")
@@ -148,7 +158,12 @@ class Agent:
                                       on_reclaimed=self._reports.reclaimed)
 
     def listen(self) -> tuple[str, int]:
-        """Start the side-channel listener; returns the bound (host, port). Idempotent."""
+        """Start the side-channel listener; returns the bound (host, port). Idempotent and
+        thread-safe (one listener however many threads call). Blocks until the socket is bound."""
+        with self._setup:
+            return self._listen()
+
+    def _listen(self) -> tuple[str, int]:
         self._check_open()
         self._require_cache()
         if self._address is not None:
@@ -182,30 +197,89 @@ class Agent:
 
     @property
     def cache(self) -> CacheView:
+        """The registered cache's view (spec and geometry). Raises RegistrationError before ``register``."""
         return self._require_cache()
 
     # ---- producer ------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, consumers: int | None = None,
-             lease: float | None = None, consumer_engines: Sequence[str] | None = None) -> None:
-        """Keep ``block_ids`` readable for ``request_id`` until every consumer is done,
-        the request is released, or the lease expires. ``consumers=None``: derived from the
-        first claimant's TP size. ``consumer_engines``: the consumer engines that may claim,
-        heartbeat, abort or report done (agent names, or exact engine ids); None: anyone."""
+             lease: float | None = None, consumer_engines: Sequence[str] | None = None, *,
+             replace: bool = False) -> None:
+        """Keep ``block_ids`` readable for ``request_id`` until every consumer is done, the
+        request is released or aborted, or the lease expires. From this call on the blocks belong
+        to kvxfer; the engine may reuse them only once ``finished()`` lists the request (in
+        ``sent``, ``aborted`` or ``expired``; ``status`` says the same without draining).
+
+        Args:
+            consumers: how many consumer engines must report done. None: decided by the first
+                claim, from that consumer's TP size (the consumer ranks that read or depend on
+                this rank: one consumer instance). Pass a number when several instances read.
+            lease: seconds an unclaimed hold lives (default ``config.lease_timeout``); claims
+                and heartbeats extend it.
+            consumer_engines: the consumer engines that may claim, heartbeat, abort or report
+                done (agent names, or exact engine ids); None: anyone.
+            replace: replace the blocks of a request already held (refused while a consumer's
+                claim window is open on it, or while it is ending). Without it a second hold of
+                a held request is refused.
+
+        Does not block (a lock). Thread-safe.
+
+        Raises:
+            AlreadyHeldError: the request is held already (see ``replace``); names the request.
+            BlockIdError: ids that are not distinct integers in range.
+            ConfigError: ``consumers`` < 1, ``lease`` <= 0, bad ``consumer_engines``.
+            ClosedError: the agent is closed.
+        """
         self._check_open()
         self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease,
-                          named=tuple(consumer_engines or ()))
+                          named=tuple(consumer_engines or ()), replace=replace)
+        self._reports.forget(request_id)
         self._wake.set()
 
-    def release(self, request_id: str) -> bool:
-        """Producer-side abort: drop the hold now. Returns False if nothing was held."""
-        return self._leases.release(request_id, "aborted")
+    def release(self, request_id: str) -> ReleaseOutcome:
+        """Producer-side abort: end the hold of ``request_id``; new claims are refused from now.
+
+        The blocks may be reused at once only when this returns ``ReleaseOutcome.FREE_NOW`` (or
+        NOT_HELD: nothing was held). FREE_WHEN_FINISHED: a consumer's claim window is open, a
+        read may still be moving the blocks: reuse them only once ``finished()`` lists the
+        request (in ``aborted``, even if that read completes). ALREADY_ENDING: an earlier
+        release, abort or expiry is already waiting on a window: the same rule. See
+        ``ReleaseOutcome``. Does not block; never raises for the request's state; thread-safe.
+        """
+        return self._leases.release(request_id, ReleaseReason.ABORTED)
 
     def holding(self, request_id: str) -> bool:
+        """True until ``request_id``'s blocks are really free (also while a release waits on a
+        claim window). Does not block, drains nothing."""
         return self._leases.held(request_id)
+
+    def status(self, request_id: str) -> RequestState:
+        """Where ``request_id`` stands on this agent, without draining anything: any number of
+        parts of an engine may ask (``finished()`` has one reader: it drains).
+
+        Producer: HELD, CLAIMED, ENDING, then SENT, ABORTED or EXPIRED (the blocks are free).
+        Consumer: IN_FLIGHT from the ``read`` call (claiming included), then RECEIVED, FAILED, or QUARANTINED and later RECLAIMED. UNKNOWN:
+        never seen here, or forgotten: ended requests are remembered for the most recent
+        ``kvxfer.agent.reports.STATUS_MEMORY`` (10,000) of them, oldest forgotten first. A
+        write's sender sees IN_FLIGHT and then UNKNOWN (its handle has the outcome). Does not
+        block (locks only); thread-safe. See ``RequestState``.
+        """
+        live = self._leases.state(request_id)
+        if live is not None:
+            return live
+        if self._engine is not None and self._engine.has(request_id):
+            return RequestState.IN_FLIGHT
+        return self._reports.ended(request_id) or RequestState.UNKNOWN
 
     # ---- consumer ------------------------------------------------------------------
     def connect(self, host: str, port: int, *, refresh: bool = False) -> PeerLink:
-        """Handshake with the agent at host:port (cached). Raises PeerLostError if nobody answers."""
+        """Handshake with the agent at host:port (cached; ``refresh``: handshake again). Blocks for
+        one handshake, at most ``config.handshake_timeout``; a cached link returns at once.
+        Thread-safe (one handshake per address however many threads ask).
+
+        Raises:
+            PeerLostError: nobody answers. IncompatiblePeerError, AuthenticationError: a peer
+                that must not be used.
+        """
         self._check_open()
         self._require_cache()
         return self._peers.get(host, port, refresh=refresh)
@@ -354,9 +428,23 @@ class Agent:
                 self._engine.fail(item.req, error)
         self._wake.set()
 
-    def expect_writes(self, request_id: str, producers: int) -> None:
-        """Consumer side of WRITE: report ``request_id`` received after ``producers`` writes (default 1)."""
-        self._reports.expect_writes(request_id, producers)
+    def expect_writes(self, request_id: str, producers: int = 1, *, writes: int = 1) -> None:
+        """Consumer side of WRITE: report ``request_id`` in ``finished().received`` only once each
+        of ``producers`` producer ranks (distinct engines) has completed ``writes`` writes of it
+        into this rank. Without this call a request is received at its first write.
+
+        ``producers``: the producer ranks that write into this rank (P's TP over D's when P's is
+        larger, else 1). ``writes``: how many ``write`` calls each producer makes under the id
+        (a request written in chunks: one per chunk). Call it before the writes can arrive.
+        Does not block; thread-safe.
+
+        Raises:
+            ConfigError: ``producers`` or ``writes`` not an integer >= 1 (names the value).
+        """
+        for name, value in (("producers", producers), ("writes", writes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1; got {value!r}")
+        self._reports.expect_writes(request_id, producers, writes)
 
     def abort(self, request_id: str, remote: tuple[str, int] | None = None, *,
               wait: bool = True) -> AbortOutcome | None:
@@ -364,12 +452,16 @@ class Agent:
 
         ``remote`` reaches a producer this agent has not claimed from yet (abort before read).
         A lost session or a restarted producer gets one fresh handshake. Never raises for the
-        producer's state: returns what happened (``AbortOutcome``; the worst rank's outcome).
+        producer's state: returns what happened (``AbortOutcome``; the worst rank's outcome):
+        NOT_TOLD when this agent has no claim for the request, no read of it queued, and no
+        ``remote`` was given.
 
-        The local read is cancelled at once either way. ``wait=False`` returns None at once and
+        The local read is cancelled at once either way; its handle fails once its transfer ended
+        (its blocks may be quarantined: see the error). ``wait=False`` returns None at once and
         tells the producer from its lane (after any read of it queued before), for an engine
-        thread that must not wait on a peer; otherwise this call blocks for up to one round trip
-        per producer rank (``handshake_timeout`` each, plus one fresh handshake).
+        thread that must not wait on a peer. Otherwise this call blocks for side-channel round
+        trips to the producer ranks: at most ``config.handshake_timeout`` each (plus one
+        handshake per lost link). Raises only ``ClosedError`` (a closed agent). Thread-safe.
         """
         self._check_open()
         if remote is None:  # a read not yet claimed (still on its lane): its producer is known
@@ -392,32 +484,57 @@ class Agent:
             except KvxferError as exc:
                 log.warning("abort of %r at %s:%s: %s", request_id, remote[0], remote[1], exc)
                 return AbortOutcome.UNREACHABLE
-        return AbortOutcome.combine([self._claims.abort_at(link, request_id) for link in links or ()])
+        if not links:
+            return AbortOutcome.NOT_TOLD
+        return AbortOutcome.combine([self._claims.abort_at(link, request_id) for link in links])
 
-    def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> list[str]:
-        """Heartbeat: extend the producer's leases of requests still wanted; returns those gone.
+    def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> KeepaliveResult:
+        """Heartbeat: extend the producer's leases of requests still wanted, at every rank of the
+        instance at ``remote`` this rank depends on.
 
-        A lost session or a restarted producer gets one fresh handshake.
+        Returns a ``KeepaliveResult``: ``gone`` (requests a rank no longer holds: stop waiting on
+        them) and ``unreachable`` (ranks that could not be reached even after one fresh
+        handshake; like ``abort``, this never raises for the producer's state).
+
+        Blocks for one side-channel round trip per rank, at most ``config.handshake_timeout``
+        each (plus one handshake per lost link). Thread-safe.
 
         Raises:
-            PeerLostError: a producer rank cannot be reached even after a fresh handshake.
+            ClosedError: the agent is closed.
         """
-        gone: list[str] = []
+        self._check_open()
         beat = Heartbeat(list(request_ids), self.engine_id)
-        for link in [link for group in self._links_for(remote) for link in group]:
-            ack = self._peers.call(link.host, link.port,
-                                   lambda lk: lk.ask(beat, self.config.handshake_timeout))
-            gone.extend(ack.gone)
-        return sorted(set(gone))
+        try:
+            links = [link for group in self._links_for(remote) for link in group]
+        except KvxferError as exc:
+            log.warning("keepalive at %s:%s: %s", remote[0], remote[1], exc)
+            return KeepaliveResult(unreachable=((remote[0], int(remote[1])),))
+        gone: set[str] = set()
+        unreachable: list[tuple[str, int]] = []
+        for link in links:
+            try:
+                ack = self._peers.call(link.host, link.port,
+                                       lambda lk: lk.ask(beat, self.config.handshake_timeout))
+            except ClosedError:
+                raise
+            except KvxferError as exc:
+                log.warning("keepalive at %s (%s:%d): %s", link.engine_id, link.host, link.port, exc)
+                unreachable.append((link.host, link.port))
+                continue
+            gone.update(ack.gone)
+        return KeepaliveResult(tuple(sorted(gone)), tuple(unreachable))
 
     # ---- reporting -----------------------------------------------------------------
     def finished(self) -> Finished:
-        """Drain and return what finished since the last call."""
+        """Drain and return what finished since the last call: each request is listed once,
+        to whichever caller drains first, so one part of an engine should own this call (others
+        ask ``status(request_id)``, which drains nothing). Does not block; thread-safe."""
         return self._reports.drain()
 
     def stats(self) -> AgentStats:
         """A snapshot of what this agent holds now (holds, claims, in-flight and quarantined
-        transfers, side-channel sessions, rejected frames); see ``AgentStats``."""
+        transfers, side-channel sessions, rejected frames); see ``AgentStats``. Does not block
+        (short locks); drains nothing; thread-safe."""
         holds = self._leases.counts()
         engine = self._engine.counts() if self._engine is not None else None
         counters = getattr(self._server, "counters", None)
@@ -432,7 +549,10 @@ class Agent:
 
     # ---- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
-        """Stop listening, fail in-flight transfers, deregister memory. Idempotent."""
+        """Stop listening, fail in-flight transfers (``ClosedError`` on their handles), deregister
+        memory. Blocks up to ~5 s for the progress thread, plus up to 0.25 s per in-flight
+        transfer to confirm its end. Idempotent and thread-safe; calls racing it, or made after
+        it, raise ``ClosedError``. Holds end with the agent: nothing reports them afterwards."""
         if self._closed:
             return
         self._closed = True
@@ -487,7 +607,7 @@ class Agent:
         note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         self._backend.notify(link.agent_name, note)
 
-    def _on_read_done(self, handle: TransferHandle) -> None:
+    def _on_read_done(self, handle: TransferHandle) -> None:  # a done-callback: runs on the completing thread
         self._read_remotes.pop(handle.request_id, None)
         self._claims.pop(handle.request_id)
         self._reports.read_done(handle)
@@ -512,7 +632,7 @@ class Agent:
             return
         if self._leases.done(request_id, engine_id) or self._leases.held(request_id):
             return
-        self._reports.write_arrived(request_id)
+        self._reports.write_arrived(request_id, engine_id)
 
     def _progress_loop(self) -> None:
         last_expire = 0.0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kvxfer.engine.leases import ClaimResult
 from kvxfer.errors import KvxferError, ProtocolError
 from kvxfer.transport.sessions import LogLimiter
+from kvxfer.types import ReleaseOutcome, ReleaseReason
 from kvxfer.layout import expected_notifications
 from kvxfer.protocol import (
     Abort, Ack, Claim, ClaimBatch, Done, Grant, Grants, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse,
@@ -119,7 +120,9 @@ class ProducerService:
                                               f"{message.engine_id}: held for other consumer engines")
                 return Refuse(message.request_id, f"request {message.request_id!r} is held for other consumer "
                                                   f"engines, not {message.engine_id!r}")
-            return Ack(released=leases.release(message.request_id, "aborted", consumer=message.engine_id))
+            outcome = leases.release(message.request_id, ReleaseReason.ABORTED, consumer=message.engine_id)
+            # The wire keeps its bool: True when this abort ended the hold (now or once windows close).
+            return Ack(released=outcome in (ReleaseOutcome.FREE_NOW, ReleaseOutcome.FREE_WHEN_FINISHED))
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
             leases.done(message.request_id, message.engine_id)
             return Ack()

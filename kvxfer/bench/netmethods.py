@@ -126,13 +126,13 @@ def first_read(w, requests, tokens, iters, warmup, options):
             handshakes.append(time.perf_counter() - t0)
             phases.append({k: round(v * 1e3, 3) for k, v in link.timings.items()})
             t1 = time.perf_counter()
-            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-first").wait(_DEADLINE)
+            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-first", timeout=_DEADLINE).wait()
             first = time.perf_counter() - t1
             if not w.verify():
                 raise AssertionError("the first read did not leave the expected bytes")
             w.poison()
             t2 = time.perf_counter()
-            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-warm").wait(_DEADLINE)
+            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-warm", timeout=_DEADLINE).wait()
             warm.append(time.perf_counter() - t2)
         finally:
             agent.close()

@@ -265,7 +265,7 @@ def _merge_round(row: dict, res: dict) -> None:
     row.setdefault("times", []).extend(res["times"])
     row.setdefault("round_medians_s", []).append(statistics.median(res["times"]))
     for key, value in res.items():
-        if key in ("verified", "failed", "wall_s"):
+        if key in ("verified", "failed", "wall_s", "total_over_wall"):
             row[key] = row.get(key, 0) + value
         elif key == "modes":
             row[key] = sorted(set(row.get(key, [])) | set(value))
@@ -288,6 +288,9 @@ def _short(row: dict) -> str:
     if row.get("setup_ms") is not None:
         modes += (f", setup {row['setup_ms']:.3f} ms (claims {row['claim_ms']:.3f}), "
                   f"post to done {row['posted_ms']:.3f} ms")
+    if row.get("total_vs_wall") is not None:  # TransferStats against the bench's own clock
+        modes += (f", stats total/wall {row['total_vs_wall']:.2f} (over: {row.get('total_over_wall', 0)}), "
+                  f"posted/wall {row['posted_vs_wall']:.2f}")
     return (f"{row['method']}: {row['gbps']:.1f} GB/s, median {row['median_s'] * 1e3:.3f} ms, "
             f"verified {row['verified']}/{row['verified'] + row['failed']}{modes}")
 

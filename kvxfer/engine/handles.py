@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from kvxfer.errors import KvxferError, TransferTimeoutError
+from kvxfer.errors import KvxferError, WaitTimeout
 
 __all__ = ["TransferHandle", "TransferStats"]
 
@@ -17,16 +19,23 @@ __all__ = ["TransferHandle", "TransferStats"]
 # does not take a core from the threads moving it.
 SPIN_SECONDS = 0.002
 
+log = logging.getLogger("kvxfer")
+
 
 @dataclass
 class TransferStats:
-    """What one request moved: payload bytes, descriptors posted, seconds from post to completion.
+    """What one request moved, and how long it took. Bytes are payload bytes; every time is in
+    seconds of wall time (``time.perf_counter``); GB means 10**9 bytes.
 
-    ``setup_seconds``: from the call until the transfer was posted (checking ids, choosing the
-    path, the producers' claim round trips, tables, kernel launches; on host memory UCX may also
-    move data inside the post); ``claim_seconds`` runs from sending the claims to having every
-    answer (work done meanwhile, such as a kernel launch, overlaps it); ``seconds`` runs
-    from the post to completion.
+    ``total_seconds``: from the ``read``/``write`` call to the completion its caller could
+    observe, everything included (handshake, claim, post, the transfer): what the request cost
+    the engine. ``setup_seconds``: from the call until the transfer was posted (checking ids,
+    choosing the path, the producers' claim round trips, tables, kernel launches; on host
+    memory UCX may also move data inside the post). ``claim_seconds``: from sending the claims
+    to having every answer (work done meanwhile, such as a kernel launch, overlaps it).
+    ``seconds``: from the post to completion; it leaves out whatever moved before the post (an
+    IPC kernel launched while the claim travelled), so it can be far below the data movement's
+    real time: compute bandwidth from ``total_seconds`` (``gb_per_s``).
     """
 
     request_id: str
@@ -37,10 +46,18 @@ class TransferStats:
     peers: int = 0
     setup_seconds: float = 0.0
     claim_seconds: float = 0.0
+    total_seconds: float = 0.0    # 0 until the handle completes; then >= setup_seconds + seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        """Payload GB (10**9 bytes) per second of ``total_seconds``: the rate the caller got."""
+        return self.num_bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
 
     @property
     def gbps(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Deprecated: ``gb_per_s`` (GB/s, not Gbit/s; from ``total_seconds``)."""
+        warnings.warn("TransferStats.gbps is GB/s and deprecated; use gb_per_s", DeprecationWarning, stacklevel=2)
+        return self.gb_per_s
 
 
 class TransferHandle:
@@ -50,6 +67,12 @@ class TransferHandle:
     waiter's own poll (``wait`` and ``done`` poll the request once it is posted, so a request
     that already finished completes without a hand-over between threads).
     ``wait`` and ``await`` re-raise the error; ``done`` never raises.
+
+    Threads: every method may be called from any thread. Done-callbacks run on the thread that
+    completes the handle (the agent's progress thread, or a thread inside ``done``/``wait``/
+    ``await``), or at once on the caller's thread in ``add_done_callback`` when it is already
+    complete; keep them short and non-blocking. A callback that raises is logged (logger
+    ``kvxfer``, with its traceback) and the later callbacks run anyway.
     """
 
     def __init__(self, request_id: str) -> None:
@@ -67,24 +90,38 @@ class TransferHandle:
         with self._lock:
             if self._event.is_set():
                 return False
+            if stats is not None and not stats.total_seconds:
+                # The call began setup_seconds before the post, and the post seconds before now.
+                stats.total_seconds = stats.setup_seconds + stats.seconds
             self._stats, self._error = stats, error
             self._poke = None
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
-            cb(self)
+            self._run_callback(cb)
         return True
 
+    def _run_callback(self, fn) -> None:
+        """Run one done-callback; an error in it is the callback's bug, not the transfer's: log it."""
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - every later callback (the agent's own reports) must still run
+            log.exception("done-callback %r of request %r raised; the later callbacks run anyway",
+                          fn, self.request_id)
+
     def add_done_callback(self, fn) -> None:
-        """Call ``fn(handle)`` on completion (at once if already complete), on the completing thread."""
+        """Call ``fn(handle)`` once on completion: on the completing thread, or at once on this
+        thread if the handle is already complete. Callbacks run in the order they were added; one
+        that raises is logged (logger ``kvxfer``) and does not stop the others. Never raises."""
         with self._lock:
             if not self._event.is_set():
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        self._run_callback(fn)
 
     # ---- user side ---------------------------------------------------------------
     def done(self) -> bool:
+        """Whether the transfer ended (either way); polls the request once. Never blocks long, never raises."""
         poke = self._poke
         if poke is not None and not self._event.is_set():
             poke()
@@ -95,10 +132,15 @@ class TransferHandle:
         return self._error
 
     def wait(self, timeout: float | None = None) -> TransferStats:
-        """Block until complete; return the stats or raise the transfer's error.
+        """Block until complete, at most ``timeout`` seconds (None: until the transfer's own
+        deadline ends it); return the stats or raise the transfer's error.
 
         Raises:
-            TransferTimeoutError: ``timeout`` seconds passed first (the transfer goes on).
+            WaitTimeout: ``timeout`` seconds passed first. Only the wait ended: the transfer goes
+                on (``done()`` is False, its destination blocks are still in flight) and ends by
+                its own deadline. Wait again, or ``Agent.abort`` it.
+            TransferError (a subclass): the transfer failed; ``TransferTimeoutError`` when its
+                own deadline passed. ``ClosedError`` when the agent was closed under it.
         """
         left = timeout
         poke = self._poke
@@ -115,9 +157,9 @@ class TransferHandle:
             if timeout is not None:
                 left = max(0.0, timeout - (time.monotonic() - started))
         if not self._event.wait(left):
-            raise TransferTimeoutError(
-                f"request {self.request_id!r} not complete within {timeout} s"
-            )
+            raise WaitTimeout(f"request {self.request_id!r} not complete within {timeout} s (only the wait ran "
+                              "out: the transfer goes on until its own deadline)",
+                              request_id=self.request_id, timeout=timeout)
         if self._error is not None:
             raise self._error
         assert self._stats is not None  # set together with the event (internal invariant)

@@ -27,10 +27,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.errors import ConfigError
+from kvxfer.errors import AlreadyHeldError, ConfigError
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol.messages import PACKED_ID, engine_named, pack_ids
-from kvxfer.types import ReleaseReason
+from kvxfer.types import ReleaseOutcome, ReleaseReason, RequestState
 
 __all__ = ["Hold", "LeaseTable", "ClaimResult", "HoldCounts"]
 
@@ -143,14 +143,16 @@ class LeaseTable:
                           sum(1 for h in holds if h.open_windows(now)), sum(1 for h in holds if h.ending))
 
     def hold(self, request_id: str, blocks, num_blocks: int, consumers: int | None = None,
-             lease: float | None = None, named: Sequence[str] = ()) -> None:
-        """Hold ``blocks`` for ``request_id``. Re-holding a held request replaces its blocks,
-        unless a claim window is open on it (then the blocks may be in use: refused).
+             lease: float | None = None, named: Sequence[str] = (), replace: bool = False) -> None:
+        """Hold ``blocks`` for ``request_id``. A request already held is refused, unless
+        ``replace``: then its blocks, consumers, lease and names are replaced, as long as no claim
+        window is open on it and it is not ending (the old blocks may be in use: refused).
 
         Raises:
             BlockIdError: ids that are not distinct integers in ``[0, num_blocks)`` (names the id and bound).
-            ConfigError: ``consumers`` < 1, ``lease`` <= 0, ``named`` not a list of non-empty
-                strings, or the request is inside a claim window.
+            AlreadyHeldError: the request is held (without ``replace``; or, with it, inside a
+                claim window or ending). A ``ConfigError``.
+            ConfigError: ``consumers`` < 1, ``lease`` <= 0, ``named`` not a list of non-empty strings.
 
         ``named``: the consumer engines that may act on the hold (an agent name, every start of
         that agent, or one exact engine id; see ``kvxfer.protocol.engine_named``); empty: anyone.
@@ -167,8 +169,14 @@ class LeaseTable:
         with self._lock:
             old = self._holds.get(request_id)
             if old is not None and (old.ending or old.open_windows(now)):
-                raise ConfigError(f"request {request_id!r} is being read (a claim window is open); "
-                                  "hold it again once finished() reports it")
+                state = "ending" if old.ending else "being read (a claim window is open)"
+                raise AlreadyHeldError(f"request {request_id!r} is already held ({old.blocks.size} blocks) and "
+                                       f"{state}; expected it free before holding {ids.size} blocks again: hold "
+                                       "it once finished() lists it", request_id)
+            if old is not None and not replace:
+                raise AlreadyHeldError(f"request {request_id!r} is already held ({old.blocks.size} blocks); "
+                                       f"refusing to hold {ids.size} blocks under the same id (pass "
+                                       "replace=True to replace the hold)", request_id)
             unique = np.unique(ids)
             deadline = now + (lease or self._lease)
             self._holds[request_id] = Hold(request_id, unique, consumers, deadline,
@@ -256,28 +264,47 @@ class LeaseTable:
             hold = self._holds.get(request_id)
             return hold is None or hold.allows(consumer)
 
-    def release(self, request_id: str, why: str = ReleaseReason.ABORTED, consumer: str | None = None) -> bool:
+    def release(self, request_id: str, why: str = ReleaseReason.ABORTED,
+                consumer: str | None = None) -> ReleaseOutcome:
         """End a hold (producer release or consumer abort). Frees at once unless a claim window
         is open: then new claims are refused and the blocks are freed when it closes.
 
         ``consumer``: the engine that asks (a consumer's abort). Its own window closes: it said
         it will not read (an aborted read's bytes are discarded on its side, and a claim it is
-        undoing never moved any). Returns False if the request was not held (or was already
-        ending). Idempotent."""
+        undoing never moved any), also on a hold already ending. Returns FREE_NOW,
+        FREE_WHEN_FINISHED, ALREADY_ENDING or NOT_HELD (``ReleaseOutcome``). Idempotent."""
         now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
-            if hold is None or hold.ending:
-                return False
+            if hold is None:
+                return ReleaseOutcome.NOT_HELD
             if consumer is not None:
                 hold.windows.pop(consumer, None)
-            if hold.open_windows(now):
+            if hold.ending:
+                if hold.open_windows(now):
+                    return ReleaseOutcome.ALREADY_ENDING
+                why = hold.ending  # the consumer's abort closed the last window: free now
+                outcome = ReleaseOutcome.ALREADY_ENDING
+            elif hold.open_windows(now):
                 hold.ending = why
                 self._look_at(request_id, now)
-                return True
+                return ReleaseOutcome.FREE_WHEN_FINISHED
+            else:
+                outcome = ReleaseOutcome.FREE_NOW
             del self._holds[request_id]
         self._on_release(request_id, why)
-        return True
+        return outcome
+
+    def state(self, request_id: str) -> RequestState | None:
+        """HELD, CLAIMED (a claim window is open) or ENDING; None when not held. Changes nothing."""
+        now = self._clock.now()
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None:
+                return None
+            if hold.ending:
+                return RequestState.ENDING
+            return RequestState.CLAIMED if hold.open_windows(now) else RequestState.HELD
 
     def expire(self) -> list[str]:
         """Free every hold past its lease, ending, or whose claimant's window passed without its

@@ -238,6 +238,7 @@ class TransferEngine:
                         part.job.cancel()
                 return False
             req.parts = list(parts)
+            req.started = time.perf_counter()  # ``seconds`` runs from the post (``setup_seconds`` before it)
             req.mode = req.stats.mode = mode
             req.count_parts()
             req.stats.setup_seconds = setup_seconds
@@ -299,6 +300,11 @@ class TransferEngine:
         """Requests still moving or draining, plus quarantined ones (the progress loop polls them)."""
         with self._lock:
             return len(self._requests) + len(self._quarantine)
+
+    def has(self, request_id: str) -> bool:
+        """Whether ``request_id`` is reserved or in flight here (draining included), not yet ended."""
+        with self._lock:
+            return request_id in self._requests
 
     def counts(self) -> EngineCounts:
         with self._lock:

@@ -62,7 +62,7 @@ class _Engine:
     def _loop(self) -> None:
         while not self._stop:
             fin = self.agent.finished()
-            for why, rids in (("sent", fin.sent), ("expired", fin.expired)):
+            for why, rids in (("sent", fin.sent), ("expired", fin.expired), ("aborted", fin.aborted)):
                 for rid in sorted(rids):
                     self.freed.append((rid, why))
                     ids = self.blocks.pop(rid, None)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer import (BlockIdError, KvxferError, KVSpec, LeaseExpiredError, PeerLostError,
+from kvxfer import (BlockIdError, KvxferError, KVSpec, LeaseExpiredError, PeerLostError, ReleaseOutcome,
                     RequestInFlightError, TransferTimeoutError)
 from kvxfer.testing import expected_read, free_port_block, logical_kv
 
@@ -103,8 +103,9 @@ def test_release_during_a_granted_read_never_frees_blocks_being_read(big_produce
         handle = agent.read(big_producer.address, dst, src, rid, timeout=20)
         # ``read`` returns before its claim is sent: release once the producer granted it.
         wait_until(lambda: big_producer.ask(("stats",))["claimed_requests"] >= 1 or handle.done(), 10, step=0.001)
-        # While the bytes move (False when this read already ended and freed the blocks).
-        released_mid_read += big_producer.ask(("release", rid)) is True
+        # While the bytes move: the blocks are free only once finished() lists the request
+        # (FREE_NOW when this read already ended and freed the blocks).
+        released_mid_read += big_producer.ask(("release", rid)) is ReleaseOutcome.FREE_WHEN_FINISHED
         stats, error = _exact_or_typed(handle, 20)
         if error is None:
             for got, exp in zip(blocks_of(cache, dst), want):
@@ -160,7 +161,7 @@ def test_producer_stalled_at_claim_time_fails_the_read_within_its_timeout(big_pr
         try:
             started = time.monotonic()
             with pytest.raises((PeerLostError, TransferTimeoutError)):
-                agent.read(big_producer.address, dst, src, rid, timeout=2).wait(2)
+                agent.read(big_producer.address, dst, src, rid, timeout=2).wait()   # the read's own deadline ends it
             elapsed = time.monotonic() - started
         finally:
             os.kill(big_producer.pid, signal.SIGCONT)
@@ -280,7 +281,7 @@ def test_dead_producer_fails_a_read_within_its_timeout():
                 prod.kill()
                 started = time.monotonic()
                 with pytest.raises(KvxferError):
-                    agent.read(prod.address, [7, 8], [3, 4], "b", timeout=2).wait(2)
+                    agent.read(prod.address, [7, 8], [3, 4], "b", timeout=2).wait()
                 elapsed = time.monotonic() - started
                 assert elapsed < 2 + 0.5, f"trial {trial}: the read failed after {elapsed:.2f} s"
                 assert wait_until(lambda: idle(_stats(agent)), 3)

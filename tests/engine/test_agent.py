@@ -5,8 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer import (AuthenticationError, BlockIdError, ClosedError, IncompatiblePeerError,
-                    LeaseExpiredError, PeerLostError, TransferTimeoutError)
+from kvxfer import (AbortOutcome, AuthenticationError, BlockIdError, ClosedError, IncompatiblePeerError,
+                    LeaseExpiredError, PeerLostError, RequestState, TransferTimeoutError, WaitTimeout)
 from kvxfer.clock import ManualClock
 
 from agent_helpers import free_port, spec, wait_for
@@ -102,8 +102,9 @@ def test_wait_past_deadline_times_out_then_engine_deadline_fails_the_handle(harn
     prod.hold("r", [1])
     cons._backend.hold_transfers(True)
     handle = cons.read(prod.address, [0], [1], "r", timeout=0.3)
-    with pytest.raises(TransferTimeoutError):
+    with pytest.raises(WaitTimeout):   # only the wait ran out: the read goes on
         handle.wait(0.05)
+    assert cons.status("r") is RequestState.IN_FLIGHT and cons.stats().in_flight == 1
     assert wait_for(handle.done, 5)
     assert isinstance(handle.exception(), TransferTimeoutError)
     assert "r" in cons.finished().failed
@@ -114,9 +115,11 @@ def test_consumer_abort_releases_the_producer_hold(harness):
     prod, _ = harness.agent(s, seed=1)
     cons, _ = harness.agent(s, seed=2, listen=False)
     prod.hold("r", [1, 2])
-    cons.abort("r", remote=prod.address)
+    assert cons.abort("r", remote=prod.address) is AbortOutcome.RELEASED
     assert not prod.holding("r")
-    assert "r" in prod.finished().expired
+    fin = prod.finished()
+    assert "r" in fin.aborted and "r" not in fin.expired   # an abort is not an expiry
+    assert prod.status("r") is RequestState.ABORTED
 
 
 def test_lease_expiry_refuses_a_late_read(harness):
@@ -127,7 +130,9 @@ def test_lease_expiry_refuses_a_late_read(harness):
     prod.hold("r", [1])
     clock.advance(31)
     assert wait_for(lambda: not prod.holding("r"))
-    assert "r" in prod.finished().expired
+    fin = prod.finished()
+    assert "r" in fin.expired and "r" not in fin.aborted
+    assert prod.status("r") is RequestState.EXPIRED
     with pytest.raises(LeaseExpiredError):
         cons.read(prod.address, [0], [1], "r").wait()
 

@@ -7,13 +7,15 @@ import pytest
 
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.engine.staging import StagingAllocator
-from kvxfer.errors import TransferFailedError, TransferTimeoutError
+from kvxfer.errors import TransferError, TransferFailedError, WaitTimeout
 
 
 def test_wait_times_out_with_typed_error_naming_request():
     h = TransferHandle("req-7")
-    with pytest.raises(TransferTimeoutError, match="req-7"):
+    with pytest.raises(WaitTimeout, match="req-7") as info:
         h.wait(0.01)
+    assert isinstance(info.value, TimeoutError) and not isinstance(info.value, TransferError)
+    assert info.value.request_id == "req-7" and info.value.timeout == 0.01
     assert not h.done()
 
 

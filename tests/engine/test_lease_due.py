@@ -80,7 +80,7 @@ def test_an_ending_hold_is_freed_when_the_open_window_closes():
 def test_a_hold_re_held_with_a_later_lease_outlives_the_first_holds_due_time():
     table, clock, released = make()
     table.hold("r", [0, 1], num_blocks=4, lease=2.0)
-    table.hold("r", [2, 3], num_blocks=4, lease=20.0)
+    table.hold("r", [2, 3], num_blocks=4, lease=20.0, replace=True)
     clock.advance(2.5)
     assert table.expire() == [] and table.held("r")
     assert table.claim("r", "a", [2, 3]).granted is True       # the new blocks, not the old

@@ -4,7 +4,8 @@ import pytest
 
 from kvxfer.clock import ManualClock
 from kvxfer.engine.leases import LeaseTable
-from kvxfer.errors import BlockIdError, ConfigError
+from kvxfer.errors import AlreadyHeldError, BlockIdError, ConfigError
+from kvxfer.types import ReleaseOutcome, RequestState
 
 
 def make(lease=10.0):
@@ -144,12 +145,60 @@ def test_window_is_capped_and_zero_means_the_lease():
     assert table.claim("s", "d", [0]).lease_remaining == 4.0
 
 
+def test_release_outcome_says_when_the_blocks_may_be_reused():
+    table, clock, released = make(lease=10.0)
+    table.hold("idle", [0], num_blocks=4)
+    assert table.release("idle") is ReleaseOutcome.FREE_NOW and released == [("idle", "aborted")]
+    table.hold("read", [1, 2], num_blocks=4)
+    table.claim("read", "d", [1, 2], window=5.0)
+    outcome = table.release("read")
+    assert outcome is ReleaseOutcome.FREE_WHEN_FINISHED and not outcome.free_now
+    assert table.held("read") and table.state("read") is RequestState.ENDING   # not free yet
+    assert table.release("read") is ReleaseOutcome.ALREADY_ENDING
+    assert table.release("never") is ReleaseOutcome.NOT_HELD and ReleaseOutcome.NOT_HELD.free_now
+    table.done("read", "d")
+    assert released[-1] == ("read", "aborted") and table.state("read") is None
+
+
+def test_state_tells_held_from_claimed_without_changing_anything():
+    table, clock, released = make(lease=10.0)
+    table.hold("r", [0], num_blocks=1)
+    assert table.state("r") is RequestState.HELD
+    table.claim("r", "d", [0], window=2.0)
+    assert table.state("r") is RequestState.CLAIMED
+    clock.advance(2.1)
+    assert table.state("r") is RequestState.HELD and released == []   # the window passed; expire decides
+
+
+def test_hold_of_a_held_request_is_refused_naming_it_unless_replace():
+    table, _, _ = make()
+    table.hold("r", [0, 1], num_blocks=4)
+    with pytest.raises(AlreadyHeldError, match="'r' is already held") as info:
+        table.hold("r", [2, 3], num_blocks=4)
+    assert info.value.request_id == "r" and isinstance(info.value, ConfigError)
+    assert table.claim("r", "d", [0, 1]).granted          # the first hold is untouched
+    table.done("r", "d")
+    table.hold("r", [2], num_blocks=4)                     # free again: a new hold is fine
+    table.hold("r", [3], num_blocks=4, replace=True)       # replaced on purpose
+    assert not table.claim("r", "d", [2]).granted and table.claim("r", "d", [3]).granted
+
+
+def test_consumer_abort_of_an_ending_hold_closes_its_own_window():
+    table, clock, released = make(lease=10.0)
+    table.hold("r", [0], num_blocks=1)
+    table.claim("r", "d", [0], window=5.0)
+    assert table.release("r") is ReleaseOutcome.FREE_WHEN_FINISHED
+    # The reader aborts: it will not read, so nothing is left to wait for.
+    assert table.release("r", consumer="d") is ReleaseOutcome.ALREADY_ENDING
+    assert released == [("r", "aborted")] and not table.held("r")
+
+
 def test_rehold_inside_a_window_is_refused_and_changes_nothing():
     table, _, _ = make()
     table.hold("r", [0, 1], num_blocks=4)
     table.claim("r", "d", [0, 1], window=5.0)
-    with pytest.raises(ConfigError, match="claim window"):
-        table.hold("r", [2, 3], num_blocks=4)
+    with pytest.raises(AlreadyHeldError, match="claim window"):
+        table.hold("r", [2, 3], num_blocks=4, replace=True)
     assert table.check_claimed("r", "d", [0, 1]) == ""
 
 

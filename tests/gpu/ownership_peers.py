@@ -38,7 +38,7 @@ def _producer(cmd, out, spec_kwargs, seed, port, device, cfg) -> None:
         def engine() -> None:  # the serving engine: reuse blocks as soon as they are free
             while not stop.is_set():
                 fin = agent.finished()
-                for rid in sorted(fin.sent | fin.expired):
+                for rid in sorted(fin.freed):
                     ids = blocks.pop(rid, None)
                     if ids is not None:
                         for t in cache:

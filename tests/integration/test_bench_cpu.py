@@ -30,6 +30,10 @@ def test_cpu_bench_verifies_every_transfer_over_interleaved_rounds(scenario):
     assert len(agent["vs_nixl-per-block_rounds"]) == 2
     # host caches: whole-head byte ranges go direct (head slices too), a layout change is staged
     assert agent["modes"] == {"same": ["direct"], "hnd-nhd": ["host-staged"], "tp1-2": ["direct"]}[scenario]
+    # TransferStats against the bench's own clock: total_seconds covers the call (never more than
+    # the wall time around it, most of it), seconds only what followed the post
+    assert agent["total_over_wall"] == 0 and 0.5 < agent["total_vs_wall"] <= 1.0, agent
+    assert 0 < agent["posted_vs_wall"] <= agent["total_vs_wall"], agent
     # a producer that was never told a read was done (e.g. holding for consumer ranks the run
     # does not measure) makes the row an error: checked above, for every scenario
     assert "kvxfer-agent" in table(report)

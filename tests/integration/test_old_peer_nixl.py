@@ -84,4 +84,4 @@ def test_auto_read_from_old_producers_is_direct_exact_and_releases_the_notify_on
         want = expected_read(cspec, before, c_ids, [(specs[0], cache_for(specs[0], 30))], p_ids)
         np.testing.assert_array_equal(logical_kv(cspec, cache, c_ids), want)
         for p in producers:  # rank 1 (notify-only) included: not held until its lease expires
-            assert poll(lambda: p.ask("finished"), (["r"], []), timeout=15) == (["r"], [])
+            assert poll(lambda: p.ask("finished"), (["r"], [], []), timeout=15) == (["r"], [], [])

@@ -100,7 +100,7 @@ def test_consumer_abort_mid_transfer_releases_hold_and_slots(producers):
             handle.wait(30)
         assert prod.ask("holding") == []
         assert poll(lambda: prod.ask("serving"), (0, 0)) == (0, 0)   # serving job stopped, slots freed
-        assert poll(lambda: prod.ask("finished")[1], ["r"]) == ["r"]
+        assert poll(lambda: prod.ask("finished")[2], ["r"]) == ["r"]   # aborted
         assert cons._kit.slots_in_use == 0 and cons._kit.router.active() == 0
 
 
@@ -136,7 +136,7 @@ def test_hostile_pack_request_is_refused_and_changes_nothing(producers, change, 
             link.ask(PackRequest(**fields), 10)
         assert prod.ask("serving") == (0, 0)
         assert prod.ask("holding") == ["r"]
-        assert prod.ask("finished") == ([], [])
+        assert prod.ask("finished") == ([], [], [])
         # the producer is intact: the real read still works
         cons.read(prod.address, [0, 1, 2], p_ids, "r").wait(60)
         _check(spec, cache, cache_for(spec, 99), [0, 1, 2], [(spec, cache_for(spec, 1))], p_ids)

@@ -47,7 +47,7 @@ def test_first_operation_after_a_restart_heals_the_link_and_reads_are_exact(peer
     cons, cache, p2 = _restart(peers, port)
     with cons:
         if first == "keepalive":
-            assert cons.keepalive(p2.address, ["r2", "r1"]) == ["r1"]   # P2 holds r2, not r1
+            assert cons.keepalive(p2.address, ["r2", "r1"]).gone == ("r1",)   # P2 holds r2, not r1
         elif first == "abort":
             assert cons.abort("r3", remote=p2.address) is AbortOutcome.RELEASED
             assert p2.ask("holding") == ["r2"]                           # honoured, not left to the lease
@@ -60,8 +60,9 @@ def test_first_operation_after_a_restart_heals_the_link_and_reads_are_exact(peer
 
 
 def test_operations_on_a_dead_peer_fail_typed_then_heal_when_it_is_back(peers):
-    """Nobody at the address: keepalive raises PeerLostError, abort reports UNREACHABLE, connect
-    raises PeerLostError; none of them leaves state behind: once a producer is back, reads work."""
+    """Nobody at the address: keepalive reports the rank unreachable and abort UNREACHABLE (neither
+    raises), connect raises PeerLostError; none of them leaves state behind: once a producer is
+    back, reads work."""
     port = free_port_block(1)
     p1 = Peer(1, port, {"r1": HOLD_BLOCKS})
     peers.append(p1)
@@ -70,8 +71,8 @@ def test_operations_on_a_dead_peer_fail_typed_then_heal_when_it_is_back(peers):
         cons.read(p1.address, [0, 1, 2, 3], HOLD_BLOCKS, "r1").wait(30)
         address = p1.address
         p1.kill()
-        with pytest.raises(PeerLostError):
-            cons.keepalive(address, ["r1"])
+        beat = cons.keepalive(address, ["r1"])
+        assert beat.unreachable == ((address[0], address[1]),) and beat.gone == () and not beat.ok
         assert cons.abort("r1", remote=address) is AbortOutcome.UNREACHABLE
         with pytest.raises(PeerLostError):
             cons.connect(*address)

@@ -67,12 +67,12 @@ def test_only_named_engines_may_claim_heartbeat_or_abort(agents):
     prod.hold("r", [1, 2], consumer_engines=["decode-a"])
     prod.hold("s", [3], consumer_engines=[named.engine_id])      # an exact engine id names one start only
     prod.hold("open", [4])                                        # names nobody: anyone may act
-    assert other.keepalive(prod.address, ["r", "s", "open"]) == ["r", "s"]   # not extended for it
+    assert other.keepalive(prod.address, ["r", "s", "open"]).gone == ("r", "s")   # not extended for it
     with pytest.raises(LeaseExpiredError, match="other consumer"):
         other.read(prod.address, [0, 1], [1, 2], "r").wait()
     assert other.abort("s", remote=prod.address) is AbortOutcome.REFUSED
     assert prod.holding("r") and prod.holding("s")
-    assert named.keepalive(prod.address, ["r", "s"]) == []
+    assert named.keepalive(prod.address, ["r", "s"]).gone == ()
     named.read(prod.address, [0], [3], "s").wait(5)
     assert named.abort("r", remote=prod.address) is AbortOutcome.RELEASED
     assert other.abort("open", remote=prod.address) is AbortOutcome.RELEASED

@@ -189,7 +189,7 @@ def test_agents_talk_to_a_producer_that_does_not_multiplex_one_request_at_a_time
         prod.hold("q", [3])
         link = cons.connect(*prod.address)
         assert link.info.multiplexed is False and link.client.multiplexed is False
-        assert cons.keepalive(prod.address, ["r", "q"]) == []
+        assert cons.keepalive(prod.address, ["r", "q"]).gone == ()
         cons.read(prod.address, [5, 6], [1, 2], "r").wait(5)
         assert wait_for(lambda: not prod.holding("r"))
         cons._done.send(link, "q")             # a Done on the one-at-a-time session

@@ -1,0 +1,96 @@
+"""Issue 24 item 2 (transformers half): a failed load's quarantined landing blocks stay out of the
+pool until kvxfer reclaims them, then return; blocks of a load that failed and ended return at once.
+
+Two Agents over ``kvxfer.testing.FakeBackend`` (real bytes) and the in-memory side channel; the
+decode side's backend holds its transfers, so a read times out with its transfer not confirmed
+ended: the real quarantine, not a simulated one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvxfer import Agent, AgentConfig, BlockIdError, RequestState
+from kvxfer.backend.fake import FakeBackend, FakeWorld
+from kvxfer.testing import MemoryNetwork, MemoryTransport
+from kvxfer_transformers.params import RemotePrefill
+from kvxfer_transformers.pool import KVPool, ModelShape
+from kvxfer_transformers.settings import ServeSettings
+from kvxfer_transformers.transfer import REAP_INTERVAL, LoadFailed, Transfers
+
+SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=8)
+BLOCKS = 8
+
+
+def _wait_for(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+@pytest.fixture
+def pair():
+    """(producer Agent, its pool, consumer Transfers, consumer pool, consumer backend)."""
+    world, network = FakeWorld(), MemoryNetwork()
+    opened = []
+
+    def agent(name: str, pool: KVPool) -> Agent:
+        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=0, handshake_timeout=2.0)
+        return Agent(name, pool.spec, config, backend=FakeBackend(name, world), transport=MemoryTransport(network))
+
+    def pool(seed: int) -> KVPool:
+        p = KVPool(SHAPE, num_blocks=BLOCKS, block_size=4, dtype=torch.float32, device="cpu", model="m")
+        gen = torch.Generator().manual_seed(seed)
+        for t in p.tensors:
+            t.copy_(torch.rand(t.shape, generator=gen))
+        return p
+
+    ppool, cpool = pool(1), pool(2)
+    producer = agent("prefill", ppool)
+    producer.register(ppool.tensors)
+    producer.listen()
+    consumer = agent("decode", cpool)
+    transfers = Transfers(cpool, ServeSettings(enabled=True, role="kv_consumer"), agent=consumer)
+    opened += [producer, transfers]
+    yield producer, ppool, transfers, cpool, consumer._backend
+    for thing in reversed(opened):
+        thing.close()
+
+
+def _remote(producer: Agent, request_id: str, blocks: tuple[int, ...]) -> RemotePrefill:
+    host, port = producer.address
+    return RemotePrefill(request_id, host, port, blocks, len(blocks) * 4)
+
+
+def test_quarantined_landing_blocks_return_to_the_pool_only_after_reclaimed(pair):
+    producer, _, transfers, pool, backend = pair
+    producer.hold("p-1", [3, 4, 5])
+    backend.hold_transfers(True)               # the read is posted; its transfer never confirms an end
+    with pytest.raises(LoadFailed):
+        transfers.load(_remote(producer, "p-1", (3, 4, 5)), prompt_len=12, timeout=0.3)
+    quarantined = transfers.quarantined
+    assert len(quarantined) == 3               # 11 of 12 prompt tokens are read: 3 blocks of 4
+    assert pool.free_blocks == BLOCKS - len(quarantined)
+    time.sleep(3 * REAP_INTERVAL)              # the reaper ran: nothing reclaimed, nothing returned
+    assert pool.free_blocks == BLOCKS - len(quarantined) and transfers.quarantined == quarantined
+    producer.hold("p-2", [6])
+    with pytest.raises(BlockIdError, match="quarantined"):   # kvxfer itself refuses a read into them
+        transfers._agent.read(producer.address, quarantined[:1], [6], "p-2", timeout=1)
+    backend.hold_transfers(False)              # the transfer ends: kvxfer reclaims the blocks
+    assert _wait_for(lambda: pool.free_blocks == BLOCKS)
+    assert transfers.quarantined == [] and transfers._agent.status("p-1") is RequestState.RECLAIMED
+
+
+def test_a_failed_load_whose_transfer_ended_returns_its_blocks_at_once(pair):
+    producer, _, transfers, pool, backend = pair
+    producer.hold("p-1", [3, 4, 5])
+    backend.fail_next(1)                       # the transport reports FAILED: the transfer ended
+    with pytest.raises(LoadFailed):
+        transfers.load(_remote(producer, "p-1", (3, 4, 5)), prompt_len=12, timeout=5)
+    assert transfers.quarantined == [] and pool.free_blocks == BLOCKS
