@@ -640,8 +640,10 @@ class Agent:
             busy = False
             try:
                 if self._engine is not None:
-                    busy = self._engine.in_flight() > 0
-                    if busy:
+                    # Spin only while bytes move: a request still claiming (on its lane) needs no
+                    # polls, and a spinning loop would take the interpreter from that lane.
+                    busy = self._engine.moving()
+                    if busy or self._engine.in_flight():
                         self._engine.progress()
                     if self._kit.router.active():
                         busy = True  # pipelines wait on notifications: deliver them at once

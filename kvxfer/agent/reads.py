@@ -180,13 +180,13 @@ class ReadFlow:
         ipc = [r for r in reads if r.route.mode is TransferPath.IPC]
         if ipc:
             self._launch_ipc(ipc)
-        view = agent._require_cache()
-        for r in reads:
-            if r.route.mode is TransferPath.STAGED and r.live:
-                try:
-                    r.route.send_packs(agent._kit, view, r.timeout, self._time_left([r]))
-                except KvxferError as exc:
-                    self._fail(r, exc)
+        staged = [r for r in reads if r.route.mode is TransferPath.STAGED and r.live]
+        if len(staged) == 1:  # several run one after another (see ``_start_staged``): packs go then
+            r = staged[0]
+            try:
+                r.route.send_packs(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
+            except KvxferError as exc:
+                self._fail(r, exc)
 
     def _launch_ipc(self, reads: list[PendingRead]) -> None:
         """One pair-copy launch per producer rank for every IPC read of the batch, one event."""
@@ -243,6 +243,7 @@ class ReadFlow:
         """Take each read's claim answers: grant it (staged reads start now) or fail it."""
         agent = self._agent
         claims = agent._claims
+        previous = None  # the batch's last staged read started
         for r in reads:
             try:
                 claims.answers(r.request_id, r.sent)
@@ -261,17 +262,29 @@ class ReadFlow:
                 self._post_direct(r)
             elif r.route.mode is TransferPath.STAGED:
                 try:
-                    parts = r.route.start(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
+                    parts = self._start_staged(r, previous)
                 except KvxferError as exc:
                     claims.give_back(r.request_id)
                     self._fail(r, exc)
                     continue
+                previous = r
                 for link, part in zip(r.route.links, parts):
                     part.on_done = partial(agent._done.send, link, r.request_id)
                 with agent._engine.posting([r.req]):
                     self._attach(r, parts, started=True)
             agent._engine.grant(r.req, claim_seconds=claimed)
+            r.req.handle.done()  # its bytes may be in already (an IPC kernel): complete it here
             agent._wake.set()
+
+    def _start_staged(self, r: PendingRead, previous: PendingRead | None) -> list:
+        """Start a granted staged read. Staged reads of one batch run one after another: each
+        pipeline holds staging slots on both sides while it waits for the other side's, so two
+        started at once could each hold what the other needs until their deadlines."""
+        agent = self._agent
+        if previous is not None:
+            left = None if r.deadline is None else max(0.0, r.deadline - agent._clock.now())
+            previous.req.handle._event.wait(left)
+        return r.route.start(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
 
     # ---- helpers -----------------------------------------------------------------
     def _fail(self, r: PendingRead, exc: KvxferError) -> None:

@@ -77,7 +77,7 @@ class TransferHandle:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._poke: Callable[[], None] | None = None  # polls this request once (set by the engine)
+        self._poke: Callable[[], bool] | None = None  # polls this request once (set by the engine)
         self._event = threading.Event()
         self._error: KvxferError | None = None
         self._stats: TransferStats | None = None
@@ -150,8 +150,10 @@ class TransferHandle:
             started = time.monotonic()
             until = started + (SPIN_SECONDS if timeout is None else min(SPIN_SECONDS, max(timeout, 0.0)))
             while True:
-                poke()
-                if self._event.is_set() or time.monotonic() >= until:
+                # poke() is False while the request is not yet posted or granted: its bytes
+                # cannot be in, and spinning would only take the interpreter from the thread
+                # claiming and launching it; then sleep on the event instead.
+                if poke() is False or self._event.is_set() or time.monotonic() >= until:
                     break
                 time.sleep(0)
             if timeout is not None:

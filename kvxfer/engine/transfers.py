@@ -351,23 +351,33 @@ class TransferEngine:
                     self._quarantine.pop(req.handle.request_id, None)
                 self._on_reclaimed(req.handle.request_id)
 
-    def _poke(self, req: _Request) -> None:
+    def _poke(self, req: _Request) -> bool:
         """Poll ``req`` once from its waiter's thread; nothing if another thread is polling it.
 
-        A failure is recorded here and drained by the progress thread, like one it found."""
+        Returns False while polling cannot complete it yet (not posted, or not granted): a waiter
+        then sleeps instead of spinning. A failure is recorded here and drained by the progress
+        thread, like one it found."""
+        if not req.posted or not req.granted:
+            return False
         if not req.lock.acquire(blocking=False):
-            return
+            return True
         try:
-            if req.finished or req.error is not None or self._closed or not req.posted:
-                return
+            if req.finished or req.error is not None or self._closed:
+                return True
             try:
                 self._poll(req)
             except KvxferError as exc:
                 self._fail(req, exc)
             except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
-                return
+                pass
+            return True
         finally:
             req.lock.release()
+
+    def moving(self) -> bool:
+        """Whether some request has parts posted and not yet ended (the progress loop then spins)."""
+        with self._lock:
+            return any(r.posted for r in self._requests.values()) or bool(self._quarantine)
 
     def _poll(self, req: _Request) -> None:
         for part in req.parts:
