@@ -26,11 +26,12 @@ FIELDS = ("producer", "consumer", "tp", "layout", "path", "device")
 #: Rows for tests whose modules carry no ``compat`` marker: (test id, the marker's fields).
 ELSEWHERE: list[tuple[str, dict[str, str]]] = [
     ("tests/vllm/test_kvxfer_connector.py::TestKvxferConnector",
-     dict(producer="vLLM", consumer="vLLM", tp="1 -> 1", layout="vLLM CPU (HND head-packed, K transposed), block 32 -> same",
-          path="direct", device="CPU")),
+     dict(producer="vLLM", consumer="vLLM", tp="1 -> 1",
+          layout="vLLM CPU (HND head-packed, K transposed), block 32 -> same", path="direct", device="CPU")),
     ("tests/vllm/test_kvxfer_tp.py::test_tp2_prefill_to_tp1_decode_moves_the_kv",
-     dict(producer="vLLM", consumer="vLLM", tp="2 -> 1", layout="vLLM CPU (HND head-packed, K transposed), block 32 -> same",
-          path="direct (head slices)", device="CPU (`make test-slow`)")),
+     dict(producer="vLLM", consumer="vLLM", tp="2 -> 1",
+          layout="vLLM CPU (HND head-packed, K transposed), block 32 -> same", path="direct (head slices)",
+          device="CPU (`make test-slow`)")),
 ]
 
 
