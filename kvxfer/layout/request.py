@@ -122,6 +122,12 @@ class MapSet:
 
     parts: tuple[tuple[UnpackMap, int, int], ...]
 
+    def __post_init__(self) -> None:
+        for m, start, stop in self.parts:
+            if start % m.vector_bytes or not 0 <= start <= stop:
+                raise LayoutError(f"a staging part must start on its own unit: [{start}, {stop}) with "
+                                  f"{m.vector_bytes}-byte units")
+
     def index(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """``[(layer, kv, staging_vec, region_vec)]`` per region, staging indices from staging's start."""
         out = []
