@@ -7,8 +7,9 @@
 #   bash examples/cross_engine_cpu.sh   # PYTHON=.venv/bin/python to pick the interpreter,
 #                                       # MODEL=/path/to/hf/model to use your own model
 #
-# vLLM's CPU attention keeps K transposed inside a block, so kvxfer-hf runs vLLM's CPU block
-# format (--kv-layout vllm-cpu) and vLLM's block size; see docs/engines.md.
+# vLLM's CPU attention keeps K transposed inside a block; kvxfer-hf keeps its own layout and
+# kvxfer converts (docs/engines.md). The prefill runs vLLM's block size: vLLM's decoder pairs a
+# producer's blocks one for one with its own.
 set -euo pipefail
 PY=${PYTHON:-python}
 WORK=$(mktemp -d)
@@ -35,7 +36,7 @@ KV='{"kv_connector":"KvxferConnector","kv_role":"kv_both","kv_buffer_device":"cp
 
 # prefill: transformers
 VLLM_NIXL_SIDE_CHANNEL_PORT=$P_SIDE OMP_NUM_THREADS=1 setsid taskset -c 0 "$PY" -m kvxfer_transformers serve "$MODEL" \
-  --port "$P_PORT" --served-model-name tiny --dtype float32 --block-size 32 --kv-layout vllm-cpu --threads 1 \
+  --port "$P_PORT" --served-model-name tiny --dtype float32 --block-size 32 --threads 1 \
   --max-model-len 2048 --kv-transfer-config "$KV" > "$WORK/hf.log" 2>&1 &
 PIDS+=($!)
 # decode: vLLM

@@ -26,11 +26,12 @@ FIELDS = ("producer", "consumer", "tp", "layout", "path", "device")
 #: Rows for tests whose modules carry no ``compat`` marker: (test id, the marker's fields).
 ELSEWHERE: list[tuple[str, dict[str, str]]] = [
     ("tests/vllm/test_kvxfer_connector.py::TestKvxferConnector",
-     dict(producer="vLLM", consumer="vLLM", tp="1 -> 1", layout="vLLM CPU (HND head-packed), block 32 -> same",
-          path="direct", device="CPU")),
+     dict(producer="vLLM", consumer="vLLM", tp="1 -> 1",
+          layout="vLLM CPU (HND head-packed, K transposed), block 32 -> same", path="direct", device="CPU")),
     ("tests/vllm/test_kvxfer_tp.py::test_tp2_prefill_to_tp1_decode_moves_the_kv",
-     dict(producer="vLLM", consumer="vLLM", tp="2 -> 1", layout="vLLM CPU (HND head-packed), block 32 -> same",
-          path="direct (head slices)", device="CPU (`make test-slow`)")),
+     dict(producer="vLLM", consumer="vLLM", tp="2 -> 1",
+          layout="vLLM CPU (HND head-packed, K transposed), block 32 -> same", path="direct (head slices)",
+          device="CPU (`make test-slow`)")),
 ]
 
 
@@ -111,9 +112,10 @@ def render(rows: list[Row]) -> str:
     out += [
         "",
         "Not covered: transformers with TP > 1 (`kvxfer-hf` runs one rank), vLLM on GPU against",
-        "transformers (no vLLM on the GPU host), and a vLLM-CPU cache converted to or from another",
-        "layout or block size (vLLM's CPU kernel keeps K dim-major, which `KVSpec` cannot describe;",
-        "see docs/engines.md).",
+        "transformers (no vLLM on the GPU host), and vLLM CPU on its `amx` kernel (bfloat16 on AMX",
+        "CPUs: K tiled in an order `KVSpec` does not describe, so only peers of its own format; see",
+        "docs/engines.md). vLLM CPU's `vec`/`vec16` cache (K transposed, `k_dim_chunk=1`) converts to",
+        "and from every layout; the translator's side is property-tested in `tests/layout/test_dim_major_k.py`.",
         "",
     ]
     return "\n".join(out)

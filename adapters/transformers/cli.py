@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu or cuda:N")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     s.add_argument("--kv-layout", default="nhd", choices=("nhd", "vllm-cpu"),
-                   help="pool format: nhd (natural; converts to any token-major peer) or vllm-cpu (vLLM's CPU "
-                        "attention cache byte for byte, for vLLM-CPU peers of the same --block-size)")
+                   help="pool format: nhd (natural; kvxfer converts to and from any peer, vLLM CPU "
+                        "included) or vllm-cpu (vLLM's CPU attention cache byte for byte: with vLLM's "
+                        "--block-size, whole blocks move without staging)")
     s.add_argument("--num-blocks", type=int, default=1024, help="blocks in the KV pool (default 1024)")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + generation served (default: the config's max_position_embeddings)")

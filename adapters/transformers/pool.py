@@ -70,8 +70,8 @@ class KVPool:
     ``vllm-cpu`` holds exactly what vLLM's CPU attention kernel (``vec`` ISA: float32, or a CPU
     without AMX) keeps: per layer ``[blocks, heads, 2, block_size, head_dim]`` memory in which
     each head's K block is stored dim-major (``[head_dim, block_size]``, K transposed) and its V
-    block token-major. kvxfer's ``KVSpec`` cannot express a dim-major K, so such a pool only
-    exchanges whole blocks with a peer of the same format and block size (``same_format_as``).
+    block token-major: kvxfer's ``head_packed`` HND with ``k_dim_chunk=1``, which the translator
+    converts to and from every other layout (so ``nhd`` talks to vLLM CPU peers as well).
     """
 
     def __init__(self, shape: ModelShape, *, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -79,10 +79,10 @@ class KVPool:
         if fmt not in FORMATS:
             raise LayoutError(f"pool format must be one of {FORMATS}; got {fmt!r}")
         self.format = fmt
-        layout, storage = ("NHD", "split") if fmt == "nhd" else ("HND", "head_packed")
+        layout, storage, k_chunk = ("NHD", "split", 0) if fmt == "nhd" else ("HND", "head_packed", 1)
         self.spec = KVSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, block_size=block_size, num_blocks=num_blocks,
-                           dtype=dtype_name(dtype), layout=layout, storage=storage, model=model)
+                           dtype=dtype_name(dtype), layout=layout, storage=storage, model=model, k_dim_chunk=k_chunk)
         self.tensors = [torch.zeros(shp, dtype=dtype, device=device) for shp in self.spec.tensor_shapes()]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._freed = threading.Condition()
@@ -99,14 +99,12 @@ class KVPool:
         """Whether blocks can move between this pool and ``peer`` with each head's bytes unchanged
         (another TP size is fine: in ``head_packed`` a head's K and V regions move whole)."""
         return (peer.layout == self.spec.layout and peer.storage == self.spec.storage
-                and peer.block_size == self.spec.block_size)
+                and peer.block_size == self.spec.block_size and peer.k_dim_chunk == self.spec.k_dim_chunk)
 
     def exchangeable_with(self, peer: KVSpec) -> bool:
-        """Whether kvxfer's translator moves this pool's K correctly to or from ``peer``: always
-        between token-major formats; only whole identical blocks where either side keeps K dim-major
-        (``head_packed`` is vLLM's CPU cache, whose K is dim-major)."""
-        dim_major = {self.spec.storage.value == "head_packed", peer.storage.value == "head_packed"}
-        return dim_major == {False} or self.same_format_as(peer)
+        """Whether kvxfer's translator moves this pool's K correctly to or from ``peer``: always, but
+        for a ``head_packed`` peer that states no K order (vLLM CPU on a kernel kvxfer cannot describe)."""
+        return peer.storage.value != "head_packed" or peer.k_dim_major or self.same_format_as(peer)
 
     @property
     def block_size(self) -> int:

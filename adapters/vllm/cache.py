@@ -3,7 +3,8 @@
 vLLM gives one tensor per attention layer; their logical shape depends on the attention
 backend and their memory order on the KV-cache layout (LBHNC, LBNHC, BLHNC, ...). This
 module reads the strides to find where K/V, blocks, heads and tokens sit in memory, and
-describes that with kvxfer's vocabulary (layout NHD/HND, storage split/packed/cross_layer).
+describes that with kvxfer's vocabulary (layout NHD/HND, storage split/packed/cross_layer/
+head_packed, and a dim-major K where the CPU kernel keeps one).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kvxfer import KVSpec, LayoutError, Storage
+from kvxfer import KVSpec, LayoutError
 
-#: kvxfer's name of the CPU backend's storage, should kvxfer define it (see ``_cpu_interleaved``).
-HEAD_PACKED = "head_packed"
+#: vLLM CPU attention ISAs whose kernels keep each head's K block transposed (``[head_dim,
+#: block_size]``, kvxfer ``k_dim_chunk=1``) and its V block token-major (vLLM 0.32's
+#: ``cpu_attn_vec.hpp``; ``vec16`` inherits its ``reshape_and_cache``).
+_TRANSPOSED_K_ISAS = frozenset({"vec", "vec16"})
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,26 @@ def _flat(t: torch.Tensor, numel: int, offset_elems: int = 0) -> torch.Tensor:
     return t.as_strided((numel,), (1,), t.storage_offset() + offset_elems)
 
 
+def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str | None:
+    """The kernel vLLM's CPU attention picks for this cache (``vec``, ``vec16``, ``amx``, ``neon``,
+    ...), asked of vLLM itself; None when this vLLM cannot say (not a CPU build, another version)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        return str(_get_attn_isa(dtype, block_size, head_size))
+    except (ImportError, AttributeError, NotImplementedError, RuntimeError, TypeError):
+        return None
+
+
 def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_size: int,
                    num_kv_heads: int, head_size: int, tp_rank: int, tp_size: int,
-                   model: str, mla: bool = False) -> CacheDescription:
+                   model: str, mla: bool = False, cpu_isa: str | None = None) -> CacheDescription:
     """Describe vLLM's per-layer KV tensors (in layer order).
 
     Args:
         num_kv_heads: KV heads of the whole model (kvxfer slices them by ``tp_size``).
         head_size: elements per head vector (the latent size for MLA).
+        cpu_isa: for the CPU backend's cache, the attention kernel that writes it (its K order
+            depends on it); None: ask vLLM (``cpu_attention_isa``).
 
     Raises:
         LayoutError: a shape or memory order this adapter does not know (names both).
@@ -73,7 +88,8 @@ def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_
     if mla:
         return _mla(tensors, shape, common, heads)
     if shape == (num_blocks, heads, block_size, 2 * head_size):
-        return _cpu_interleaved(tensors, common, heads)
+        isa = cpu_isa or cpu_attention_isa(first.dtype, block_size, head_size)
+        return _cpu_interleaved(tensors, common, isa)
     if len(shape) == 5:
         return _five_dim(tensors, shape, common, heads)
     raise LayoutError(f"unknown KV-cache tensor shape {shape} (blocks={num_blocks}, heads={heads}, "
@@ -89,25 +105,22 @@ def _mla(tensors: list[torch.Tensor], shape: tuple[int, ...], common: dict[str, 
     return CacheDescription(spec, [t.view(-1) for t in tensors])
 
 
-def _cpu_interleaved(tensors: list[torch.Tensor], common: dict[str, Any], heads: int) -> CacheDescription:
-    """vLLM's CPU backend: per layer ``[blocks, heads, tokens, 2*head_dim]``, read as
-    ``[blocks, heads, 2, tokens, head_dim]``: each head keeps its K then its V inside a block."""
+def _cpu_interleaved(tensors: list[torch.Tensor], common: dict[str, Any], isa: str | None) -> CacheDescription:
+    """vLLM's CPU backend: per layer ``[blocks, heads, tokens, 2*head_dim]``, in memory
+    ``[blocks, heads, 2, <block_size x head_dim>]``: each head keeps its K block, then its V block.
+
+    V is token-major. K's order is the kernel's (``isa``): ``vec``/``vec16`` keep it transposed,
+    which kvxfer describes exactly (``k_dim_chunk=1``) and converts to any layout. Other kernels
+    (``amx`` packs K in token groups of 16, and fp8 caches) have no KVSpec: whole heads still move
+    exactly between two caches of one format, so only such peers are taken (``same_format_only``).
+    """
     if not all(t.is_contiguous() for t in tensors):
         raise LayoutError("expected dense CPU KV-cache tensors; got a strided view")
     flat = [t.view(-1) for t in tensors]
-    if HEAD_PACKED in {s.value for s in Storage}:
-        # Measured (transformers adapter, issue 14): inside a head's block the CPU kernel keeps K
-        # dim-major ([head_dim, tokens]) and V token-major, while head_packed reads both token-major.
-        # Whole heads move exactly (any TP ratio); a conversion to another layout would move K wrong.
-        return CacheDescription(KVSpec(**common, layout="HND", storage=HEAD_PACKED), flat,
-                                same_format_only=True,
-                                note="vLLM's CPU cache keeps K dim-major inside a head's block")
-    # kvxfer has no storage for a per-head K/V interleave yet. Described as ``packed`` HND, a
-    # whole block is the same bytes on both sides (K half + V half = the block), so equal
-    # specs transfer exactly; head slices would land in the wrong place.
-    return CacheDescription(KVSpec(**common, layout="HND", storage="packed"), flat,
-                            head_slices_exact=False,
-                            note="CPU backend K/V interleave described as packed HND")
+    if isa in _TRANSPOSED_K_ISAS and tensors[0].element_size() > 1:
+        return CacheDescription(KVSpec(**common, layout="HND", storage="head_packed", k_dim_chunk=1), flat)
+    return CacheDescription(KVSpec(**common, layout="HND", storage="head_packed"), flat, same_format_only=True,
+                            note=f"vLLM's CPU kernel {isa or '(unknown)'} keeps K in an order kvxfer cannot describe")
 
 
 def _five_dim(tensors: list[torch.Tensor], shape: tuple[int, ...], common: dict[str, Any],

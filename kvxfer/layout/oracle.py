@@ -7,7 +7,8 @@ transport and to read back the *logical* KV of a cache:
   ``Arena.wrap(array)`` to treat a real numpy array's own addresses that way.
 * ``place_cache``: a ``CacheView`` for a spec inside an arena (contiguous or with gaps).
 * ``fill_pattern``: random bytes, with a distinct 32-bit code heading every head vector.
-* ``logical_kv``: ``[layers, kv, tokens, heads_per_rank, vector_bytes]`` uint8 of given blocks.
+* ``logical_kv``: ``[layers, kv, tokens, heads_per_rank, vector_bytes]`` uint8 of given blocks
+  (``byte_addresses`` gives where each byte lives, a dim-major K included).
 * ``execute``: run a request's descriptors with a reference copier (plus unpack / pack);
   ``fill_staging`` gives the staging image alone, ``region_views`` the callable unpack takes.
 """
@@ -23,7 +24,7 @@ from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.types import Direction
 
 __all__ = [
-    "Arena", "execute", "fill_pattern", "fill_staging", "logical_kv", "place_cache", "region_views",
+    "Arena", "byte_addresses", "execute", "fill_pattern", "fill_staging", "logical_kv", "place_cache", "region_views",
     "target_mask", "vector_addresses",
 ]
 
@@ -83,8 +84,13 @@ def place_cache(spec: KVSpec, arena_base: int = 0x10_0000, gap: int = 0) -> tupl
 
 
 def vector_addresses(view: CacheView, layer: int, kv: int, block_ids: np.ndarray) -> np.ndarray:
-    """Addresses ``[tokens, heads_per_rank]`` (int64) of every head vector of the given blocks, token order."""
+    """Addresses ``[tokens, heads_per_rank]`` (int64) of every head vector of the given blocks, token order.
+
+    Raises LayoutError for a dim-major K (its vectors are not contiguous: use ``byte_addresses``).
+    """
     s = view.spec
+    if kv == 0 and s.k_dim_major:
+        raise LayoutError("a dim-major K has no contiguous head vectors; use byte_addresses")
     blocks = np.asarray(block_ids, dtype=np.int64)
     t = np.arange(s.block_size, dtype=np.int64)[:, None]
     h = np.arange(s.heads_per_rank, dtype=np.int64)[None, :]
@@ -92,6 +98,31 @@ def vector_addresses(view: CacheView, layer: int, kv: int, block_ids: np.ndarray
     base = int(view.geometry.bases[layer, kv])
     addr = base + blocks[:, None, None] * s.block_stride + off[None] * s.vector_bytes
     return addr.reshape(-1, s.heads_per_rank)
+
+
+def byte_addresses(view: CacheView, layer: int, kv: int, block_ids: np.ndarray) -> np.ndarray:
+    """Addresses ``[tokens, heads_per_rank, vector_bytes]`` (int64) of every byte of every head
+    vector of the given blocks, token order, element order inside a vector.
+
+    Written from ``KVSpec``'s definition alone (not the translator's sub-vector arithmetic):
+    element ``d`` of token ``t``, local head ``h`` sits at ``(t * token_stride + h * head_stride)
+    * vector_bytes + d * itemsize`` in a token-major region, and, for a dim-major K of chunk c, at
+    ``h * head_stride * vector_bytes + ((d // c) * block_size * c + t * c + d % c) * itemsize``.
+    """
+    s = view.spec
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    t = np.arange(s.block_size, dtype=np.int64)[:, None, None]
+    h = np.arange(s.heads_per_rank, dtype=np.int64)[None, :, None]
+    d = np.arange(s.head_dim, dtype=np.int64)[None, None, :]
+    if kv == 0 and s.k_dim_major:
+        c = s.k_dim_chunk
+        elem = h * s.head_stride * s.vector_bytes + ((d // c) * s.block_size * c + t * c + d % c) * s.itemsize
+    else:
+        elem = (t * s.token_stride + h * s.head_stride) * s.vector_bytes + d * s.itemsize
+    byte = (elem[..., None] + np.arange(s.itemsize, dtype=np.int64)).reshape(s.block_size, s.heads_per_rank, -1)
+    base = int(view.geometry.bases[layer, kv])
+    addr = base + blocks[:, None, None, None] * s.block_stride + byte[None]
+    return addr.reshape(-1, s.heads_per_rank, s.vector_bytes)
 
 
 def fill_pattern(view: CacheView, arena: Arena, seed: int) -> None:
@@ -108,10 +139,10 @@ def fill_pattern(view: CacheView, arena: Arena, seed: int) -> None:
     code = seed * (1 << 24)
     for layer in range(s.num_layers):
         for kv in range(s.kv_count):
-            addr = vector_addresses(view, layer, kv, all_blocks).reshape(-1) - arena.base
-            codes = (np.arange(addr.size, dtype=np.uint64) + np.uint64(code)).astype("<u4")
-            arena.buf[addr[:, None] + np.arange(width)] = codes.view(np.uint8).reshape(-1, 4)[:, :width]
-            code += addr.size
+            addr = byte_addresses(view, layer, kv, all_blocks).reshape(-1, s.vector_bytes)[:, :width] - arena.base
+            codes = (np.arange(addr.shape[0], dtype=np.uint64) + np.uint64(code)).astype("<u4")
+            arena.buf[addr] = codes.view(np.uint8).reshape(-1, 4)[:, :width]
+            code += addr.shape[0]
 
 
 def logical_kv(view: CacheView, arena: Arena, block_ids) -> np.ndarray:
@@ -120,13 +151,11 @@ def logical_kv(view: CacheView, arena: Arena, block_ids) -> np.ndarray:
     Head axis ``i`` is global head ``view.spec.first_head + i``.
     """
     s = view.spec
-    vb = np.arange(s.vector_bytes, dtype=np.int64)
     out = np.empty((s.num_layers, s.kv_count, len(block_ids) * s.block_size, s.heads_per_rank,
                     s.vector_bytes), dtype=np.uint8)
     for layer in range(s.num_layers):
         for kv in range(s.kv_count):
-            addr = vector_addresses(view, layer, kv, np.asarray(block_ids)) - arena.base
-            out[layer, kv] = arena.buf[addr[..., None] + vb]
+            out[layer, kv] = arena.buf[byte_addresses(view, layer, kv, np.asarray(block_ids)) - arena.base]
     return out
 
 
@@ -135,11 +164,9 @@ def target_mask(view: CacheView, arena: Arena, block_ids, heads: tuple[int, int]
     s = view.spec
     mask = np.zeros(arena.buf.size, dtype=bool)
     h = slice(heads[0] - s.first_head, heads[1] - s.first_head)
-    vb = np.arange(s.vector_bytes, dtype=np.int64)
     for layer in range(s.num_layers):
         for kv in range(s.kv_count):
-            addr = vector_addresses(view, layer, kv, np.asarray(block_ids))[:, h] - arena.base
-            mask[addr[..., None] + vb] = True
+            mask[byte_addresses(view, layer, kv, np.asarray(block_ids))[:, h] - arena.base] = True
     return mask
 
 

@@ -14,6 +14,11 @@ Pairs are enumerated in *wire order*: layer, then K/V, then token chunk of the r
 (``gcd`` of the two block sizes). A staged transfer lays pair ``i`` at bytes
 ``[i * pair_bytes, (i + 1) * pair_bytes)`` of the staging buffer in the consumer's layout,
 so producer and consumer compute matching tables from the two specs alone.
+
+A pair copy moves whole head vectors, so it cannot express a K kept dim-major
+(``KVSpec.k_dim_chunk``): ``pair_copy_why`` says so, every table builder here raises that
+``LayoutError`` (naming both layouts), and the engine takes the descriptor plan instead
+(``build_plan``: direct, or host-staged with an unpack that works in sub-vectors).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.request import check_block_ids
 
 __all__ = ["PairCopy", "Side", "Overlap", "overlap", "direct_pairs", "DirectTemplate", "pack_pairs",
-           "unpack_pairs", "request_tokens"]
+           "pair_copy_why", "unpack_pairs", "request_tokens"]
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,23 @@ def _cache_side(spec: KVSpec, geom: CacheGeometry, ids: np.ndarray, head: int) -
     return Side(geom.bases.reshape(-1), ids, spec.block_stride, spec.block_size, ts, hs, head)
 
 
+def _layout_name(s: KVSpec) -> str:
+    k = f", K dim-major in chunks of {s.k_dim_chunk}" if s.k_dim_major else ""
+    return f"{s.layout.value}/{s.storage.value}{k}"
+
+
+def pair_copy_why(src: KVSpec, dst: KVSpec) -> str | None:
+    """None when pair copies can move KV between these two caches, else why not (names both)."""
+    if not (src.k_dim_major or dst.k_dim_major):
+        return None
+    return (f"pair copies move whole head vectors and cannot express a dim-major K: source "
+            f"{_layout_name(src)}, destination {_layout_name(dst)} (the descriptor plan can: direct or host-staged)")
+
+
 def _shape(src: KVSpec, src_ids, dst: KVSpec, dst_ids, num_tokens, checked: bool = False):
+    why = pair_copy_why(src, dst)
+    if why is not None:
+        raise LayoutError(why)
     ov = overlap(src, dst)
     if ov is None:
         raise LayoutError(f"source rank {src.tp_rank}/{src.tp_size} holds no head destination rank "

@@ -20,13 +20,14 @@ from typing import Sequence
 import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError
+from kvxfer.layout.kvsplit import SplitKVPlan
 from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, merge_rows
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.layout.template import PieceTemplate, UnpackTemplate, direct_template, staged_template
 from kvxfer.layout.tp import head_range
 from kvxfer.types import TransferPath
 
-__all__ = ["CacheView", "TransferPlan", "build_plan", "check_compatible", "head_overlap"]
+__all__ = ["CacheView", "SplitKVPlan", "TransferPlan", "build_plan", "check_compatible", "head_overlap"]
 
 _U64 = np.uint64
 _MATCHING = ("model", "dtype", "head_dim", "num_layers", "num_kv_heads", "mla")
@@ -48,7 +49,8 @@ class CacheView:
 
 
 def _describe(s: KVSpec) -> str:
-    return f"{s.layout.value}/{s.storage.value}/bs{s.block_size}/tp{s.tp_rank}of{s.tp_size}"
+    k = f"/K-dim-major{s.k_dim_chunk}" if s.k_dim_major else ""
+    return f"{s.layout.value}/{s.storage.value}{k}/bs{s.block_size}/tp{s.tp_rank}of{s.tp_size}"
 
 
 def check_compatible(a: KVSpec, b: KVSpec) -> None:
@@ -97,17 +99,23 @@ def _check_pair(a: KVSpec, b: KVSpec) -> tuple[int, int]:
     return heads
 
 
-def _group_size(sides: list[tuple[CacheView, int]]) -> int:
-    """Largest g in (all regions, kv_count, 1) such that every aligned run of g regions chains
-    in memory (block b of region r+1 starts where block b of region r ends) on every side."""
-    spec = sides[0][0].spec
-    n = spec.num_layers * spec.kv_count
-    for g in sorted({n, spec.kv_count, 1}, reverse=True):
+def _bases(view: CacheView, kv: int | None) -> np.ndarray:
+    """Region bases ``[layers, kv]`` a plan covers: all, or the one column ``kv``."""
+    b = view.geometry.bases
+    return b if kv is None else b[:, kv:kv + 1]
+
+
+def _group_size(sides: list[tuple[np.ndarray, int]]) -> int:
+    """Largest g in (all regions, regions per layer, 1) such that every aligned run of g regions
+    chains in memory (block b of region r+1 starts where block b of region r ends) on every side;
+    ``sides`` holds each side's region bases ``[layers, kv]`` and block bytes."""
+    n, per_layer = sides[0][0].size, sides[0][0].shape[1]
+    for g in sorted({n, per_layer, 1}, reverse=True):
         if g == 1:
             return 1
         ok = True
-        for view, bb in sides:
-            flat = view.geometry.bases.reshape(-1)
+        for bases, bb in sides:
+            flat = bases.reshape(-1)
             chain = (flat[1:] - flat[:-1]) == _U64(bb)      # uint64 wrap never equals bb
             inner = (np.arange(1, n) % g) != 0               # pairs inside one group
             ok &= bool(chain[inner].all())
@@ -136,12 +144,14 @@ class TransferPlan:
     """
 
     def __init__(self, local: CacheView, remote: CacheView, heads: tuple[int, int], mode: TransferPath,
-                 pieces: PieceTemplate, unpack: UnpackTemplate | None, over_read: bool) -> None:
+                 pieces: PieceTemplate, unpack: UnpackTemplate | None, over_read: bool,
+                 kv: int | None = None) -> None:
         self.local, self.remote, self.heads, self.mode = local, remote, heads, mode
         self.pieces, self.unpack, self.over_read = pieces, unpack, over_read
         self.reversible = not over_read
+        self.kv = kv   # None: every region; 0 or 1: only that one of each layer (see kvsplit.py)
         if unpack is not None:   # staging chunk vector c comes from remote (block _src_blk[c], vector _src_vec[c])
-            vb = local.spec.vector_bytes
+            vb = unpack.vector_bytes
             n_vec = pieces.length // vb
             self._src_blk = np.repeat(pieces.r_blk, n_vec)
             self._src_vec = np.repeat(pieces.r_off // vb, n_vec) + (
@@ -150,11 +160,13 @@ class TransferPlan:
         self._unit = max(ls.block_size, rs.block_size)
         self._l_per_unit, self._r_per_unit = self._unit // ls.block_size, self._unit // rs.block_size
         self.pieces_per_block = -(-pieces.count // self._l_per_unit)
-        sides = [(remote, rs.block_bytes)] + ([(local, ls.block_bytes)] if mode is TransferPath.DIRECT else [])
+        l_bases, r_bases = _bases(local, kv), _bases(remote, kv)
+        self._kv_count = l_bases.shape[1]
+        sides = [(r_bases, rs.block_bytes)] + ([(l_bases, ls.block_bytes)] if mode is TransferPath.DIRECT else [])
         self.group = _group_size(sides)
-        n_regions = ls.num_layers * ls.kv_count
-        self._gbase_l = local.geometry.bases.reshape(n_regions // self.group, 1, self.group, 1)
-        self._gbase_r = remote.geometry.bases.reshape(n_regions // self.group, 1, self.group, 1)
+        n_regions = l_bases.size
+        self._gbase_l = l_bases.reshape(n_regions // self.group, 1, self.group, 1)
+        self._gbase_r = r_bases.reshape(n_regions // self.group, 1, self.group, 1)
         # Fast path: when one (group, unit)'s pieces form one contiguous span on every side
         # that has addresses (both for direct; remote for staged), emit one row per span and
         # join runs of consecutive block ids when a span fills the block stride.
@@ -279,19 +291,20 @@ class TransferPlan:
             blk, vec, src = u.dst_blk, u.dst_vec, u.src
         else:
             blk, vec, src = self._src_blk, self._src_vec, np.arange(chunk, dtype=np.int64)
-        dst = (ids[:, blk].astype(np.int64) * (s.block_stride // s.vector_bytes) + vec).reshape(-1)
+        dst = (ids[:, blk].astype(np.int64) * (s.block_stride // u.vector_bytes) + vec).reshape(-1)
         src = (np.arange(n_units, dtype=np.int64)[:, None] * (g * chunk) + src).reshape(-1)
-        region = np.arange(s.num_layers * s.kv_count, dtype=np.int64)
+        region = np.arange(s.num_layers * self._kv_count, dtype=np.int64)
         offset = ((region // g) * n_units * g + region % g) * chunk
-        return UnpackMap(src=src, dst=dst, region_offset=offset, kv_count=s.kv_count,
-                         vector_bytes=s.vector_bytes, region_bytes=s.region_bytes)
+        return UnpackMap(src=src, dst=dst, region_offset=offset, kv_count=self._kv_count,
+                         vector_bytes=u.vector_bytes, region_bytes=s.region_bytes, kv=self.kv)
 
 
 def _whole_head_packed_rows(ls: KVSpec, rs: KVSpec) -> bool:
     """Both caches are head_packed with the same heads and block size: a layer's block is one
     contiguous row on both sides (K and V of every head), so rows can move whole."""
     return (ls.storage is rs.storage is Storage.HEAD_PACKED and ls.block_size == rs.block_size
-            and ls.heads_per_rank == rs.heads_per_rank and ls.first_head == rs.first_head)
+            and ls.heads_per_rank == rs.heads_per_rank and ls.first_head == rs.first_head
+            and ls.k_dim_chunk == rs.k_dim_chunk)
 
 
 def _as_packed(view: CacheView) -> CacheView:
@@ -300,12 +313,12 @@ def _as_packed(view: CacheView) -> CacheView:
     s = view.spec
     bases = view.geometry.bases.copy()
     bases[:, 1] = bases[:, 0] + np.uint64(s.block_bytes)
-    spec = replace(s, storage=Storage.PACKED)
+    spec = replace(s, storage=Storage.PACKED, k_dim_chunk=0)   # the bytes of K's order move as they are
     return CacheView(spec, CacheGeometry(bases, view.geometry.device, view.geometry.kind))
 
 
 def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = True,
-               min_direct_bytes: int = 4096, mode: str = "auto") -> TransferPlan:
+               min_direct_bytes: int = 4096, mode: str = "auto") -> "TransferPlan | SplitKVPlan":
     """Plan moving the heads ``local`` needs that ``remote`` holds, for any request.
 
     Direction-agnostic: a READ moves remote -> local along the plan, a WRITE the reverse
@@ -316,7 +329,9 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
     the remote's native order land in a staging buffer, a local unpack permutes them), or a
     LayoutError when ``allow_conversion`` is false. ``mode="direct"``/``"host-staged"`` force a
     mode (``"staged"``, the name before, is taken as ``"host-staged"``). The plan's ``mode`` is a
-    ``TransferPath`` member.
+    ``TransferPath`` member. Where a side keeps K dim-major, K and V are planned apart and
+    joined (``SplitKVPlan``, the same interface; both parts in one mode, host-staged when
+    either needs it).
 
     Raises:
         LayoutError: model, dtype, head_dim, num_layers, num_kv_heads or mla differ (names
@@ -336,7 +351,22 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
     if mode != "host-staged" and _whole_head_packed_rows(ls, rs):
         local, remote = _as_packed(local), _as_packed(remote)
         ls, rs = local.spec, remote.spec
-    direct = direct_template(ls, rs, heads)
+    if not (ls.k_dim_major or rs.k_dim_major):
+        return _plan_regions(local, remote, heads, mode, allow_conversion, min_direct_bytes, None)
+    # K and V differ in form on some side: one plan per region kind, in one mode
+    parts = [_plan_regions(local, remote, heads, mode, allow_conversion, min_direct_bytes, kv) for kv in (1, 0)]
+    if len({p.mode for p in parts}) > 1:
+        parts = [_plan_regions(local, remote, heads, "host-staged", allow_conversion, min_direct_bytes, kv)
+                 for kv in (1, 0)]
+    return SplitKVPlan(parts)
+
+
+def _plan_regions(local: CacheView, remote: CacheView, heads: tuple[int, int], mode: str,
+                  allow_conversion: bool, min_direct_bytes: int, kv: int | None) -> TransferPlan:
+    """``build_plan``'s choice for the regions ``kv`` (None: all; 0/1: K or V of every layer)."""
+    ls, rs = local.spec, remote.spec
+    kind = 1 if kv is None else kv   # without a dim-major K, K and V plan alike
+    direct = direct_template(ls, rs, heads, kind)
     natural = (heads[1] - heads[0]) * min(ls.block_size, rs.block_size) * ls.vector_bytes
     smallest = int(direct.length.min())
     fragmented = smallest < min(natural, min_direct_bytes)
@@ -346,6 +376,6 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
             f"(< min_direct_bytes {min_direct_bytes}); allow conversion to stage and unpack"
         )
     if mode == "direct" or (mode == "auto" and not fragmented):
-        return TransferPlan(local, remote, heads, TransferPath.DIRECT, direct, None, False)
-    pieces, unpack, over_read = staged_template(ls, rs, heads, min_direct_bytes)
-    return TransferPlan(local, remote, heads, TransferPath.HOST_STAGED, pieces, unpack, over_read)
+        return TransferPlan(local, remote, heads, TransferPath.DIRECT, direct, None, False, kv)
+    pieces, unpack, over_read = staged_template(ls, rs, heads, min_direct_bytes, kind)
+    return TransferPlan(local, remote, heads, TransferPath.HOST_STAGED, pieces, unpack, over_read, kv)

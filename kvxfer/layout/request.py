@@ -14,7 +14,7 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.types import TransferPath
 
-__all__ = ["RequestPlan", "UnpackMap", "check_block_ids", "merge_rows"]
+__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_ids", "merge_rows"]
 
 _U64 = np.uint64
 
@@ -76,7 +76,9 @@ class UnpackMap:
 
     Region ``r = layer * kv_count + kv`` pairs ``staging[src + region_offset[r]]`` with
     ``region[dst]`` (``dst`` counts vectors from the region's block 0). ``region_bytes`` is
-    that side's ``spec.region_bytes``.
+    that side's ``spec.region_bytes``. A map of one region per layer (``kv`` set, ``kv_count``
+    1) covers region ``(r, kv)`` at position ``r``. ``vector_bytes`` is the unit of every
+    index: a head vector, or a sub-vector where a side keeps K dim-major.
     """
 
     src: np.ndarray            # int64, staging vector index before the region's offset
@@ -85,13 +87,19 @@ class UnpackMap:
     kv_count: int
     vector_bytes: int
     region_bytes: int
+    kv: int | None = None
 
     def index(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """``[(layer, kv, staging_vec, region_vec)]`` per region."""
         return [
+            (r, self.kv, self.src + off, self.dst) if self.kv is not None else
             (r // self.kv_count, r % self.kv_count, self.src + off, self.dst)
             for r, off in enumerate(self.region_offset.tolist())
         ]
+
+    def unit_bytes(self, kv: int) -> int:
+        """Bytes of the unit the indices of region ``kv`` count in."""
+        return self.vector_bytes
 
     def run(self, staging: np.ndarray, staging_bytes: int,
             region_view: Callable[[int, int], np.ndarray], to_regions: bool) -> None:
@@ -104,6 +112,38 @@ class UnpackMap:
                 region[dst] = st[src]
             else:
                 st[src] = region[dst]
+
+
+@dataclass(frozen=True)
+class MapSet:
+    """Maps of plans that each cover part of the staging buffer (K and V planned apart, where a
+    side keeps K dim-major): ``parts[i]`` is a map and the byte range ``[start, stop)`` of
+    staging it uses; indices stay in each map's own unit (``unit_bytes``)."""
+
+    parts: tuple[tuple[UnpackMap, int, int], ...]
+
+    def __post_init__(self) -> None:
+        for m, start, stop in self.parts:
+            if start % m.vector_bytes or not 0 <= start <= stop:
+                raise LayoutError(f"a staging part must start on its own unit: [{start}, {stop}) with "
+                                  f"{m.vector_bytes}-byte units")
+
+    def index(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``[(layer, kv, staging_vec, region_vec)]`` per region, staging indices from staging's start."""
+        out = []
+        for m, start, _ in self.parts:
+            out += [(layer, kv, src + start // m.vector_bytes, dst) for layer, kv, src, dst in m.index()]
+        return out
+
+    def unit_bytes(self, kv: int) -> int:
+        return next(m.vector_bytes for m, _, _ in self.parts if m.kv in (kv, None))
+
+    def run(self, staging: np.ndarray, staging_bytes: int,
+            region_view: Callable[[int, int], np.ndarray], to_regions: bool) -> None:
+        """``UnpackMap.run`` of every part over its own slice of ``staging``."""
+        _vectors(staging, 1, staging_bytes, "staging buffer")
+        for m, start, stop in self.parts:
+            m.run(staging[start:stop], stop - start, region_view, to_regions)
 
 
 def _vectors(buf: np.ndarray, vb: int, need_bytes: int, what: str) -> np.ndarray:
@@ -139,7 +179,7 @@ class RequestPlan:
     remote: np.ndarray
     staging_bytes: int
     num_bytes: int
-    build_maps: Callable[[str], UnpackMap] | None = field(default=None, repr=False)
+    build_maps: Callable[[str], "UnpackMap | MapSet"] | None = field(default=None, repr=False)
     _maps: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -154,7 +194,7 @@ class RequestPlan:
         return self._maps[side]
 
     @property
-    def unpack_map(self) -> UnpackMap:
+    def unpack_map(self) -> "UnpackMap | MapSet":
         """Compact form of ``unpack_index`` (built on first use; the descriptors do not need it)."""
         return self._map("local")
 
@@ -163,6 +203,8 @@ class RequestPlan:
 
         Indices are int64 in units of one head vector (``spec.vector_bytes``) of the LOCAL
         cache; the same map ``unpack_numpy`` runs. ``dst_vec`` counts from the region's block 0.
+        Where a side keeps K dim-major, K's indices count sub-vectors: the unit of region ``kv``
+        is ``unpack_map.unit_bytes(kv)`` bytes.
         """
         return self._map("local").index()
 

@@ -17,6 +17,12 @@ How regions sit in memory is the ``storage``:
 * ``head_packed`` (HND only) each layer is one tensor ``[num_blocks, heads, 2, block_size, head_dim]``:
               inside a block every head holds its K rows, then its V rows (vLLM's CPU backend).
 
+Inside one head's block (HND only), K may be *dim-major* (``k_dim_chunk`` = c > 0): its
+``block_size x head_dim`` elements sit as ``[head_dim // c, block_size, c]``, chunks of ``c``
+elements of one token, chunk by chunk (c = 1: K transposed, as vLLM's CPU ``vec``/``vec16``
+kernels keep it; c = 16 bytes / itemsize: the classic paged-attention K). V stays token-major.
+A head's K block covers the same bytes either way; only the order inside it differs.
+
 ``CacheGeometry`` adds the addresses: the base of block 0 of every region.
 """
 
@@ -80,6 +86,9 @@ class KVSpec:
         layout: ``NHD`` or ``HND`` inside a block.
         storage: ``split``, ``packed`` or ``cross_layer``.
         mla: the cache is a replicated latent cache: K only, identical on every rank.
+        k_dim_chunk: 0 (default): K token-major like V. c > 0: K dim-major in chunks of c
+            elements (see the module docstring); needs layout HND, no MLA, c dividing head_dim.
+            c == head_dim is token-major and is stored as 0.
         tp_rank, tp_size: this rank's place in tensor parallelism.
         model: model identity, compared with the peer's before anything else.
 
@@ -99,9 +108,11 @@ class KVSpec:
     tp_rank: int = 0
     tp_size: int = 1
     model: str = ""
+    k_dim_chunk: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size", "tp_rank"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size", "tp_rank",
+                     "k_dim_chunk"):
             value = getattr(self, name)
             if isinstance(value, np.integer):  # numpy ints (e.g. from an id array) count as ints
                 object.__setattr__(self, name, int(value))
@@ -127,13 +138,41 @@ class KVSpec:
             raise LayoutError(f"an MLA cache has no V; storage {self.storage.value!r} does not apply")
         if self.storage is Storage.HEAD_PACKED and self.layout is not Layout.HND:
             raise LayoutError(f"storage 'head_packed' is head-major: layout must be 'HND'; got {self.layout.value!r}")
+        self._check_k_dim_chunk()
         h, tp = self.num_kv_heads, self.tp_size
         if not self.mla and h % tp and tp % h:
             raise LayoutError(
                 f"num_kv_heads ({h}) and tp_size ({tp}) must divide one another"
             )
 
+    def _check_k_dim_chunk(self) -> None:
+        c = self.k_dim_chunk
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise LayoutError(f"k_dim_chunk must be a non-negative integer (0: K token-major); got {c!r}")
+        if c == self.head_dim:  # [1, block_size, head_dim] is the token-major order itself
+            object.__setattr__(self, "k_dim_chunk", 0)
+            return
+        if c == 0:
+            return
+        if self.head_dim % c:
+            raise LayoutError(f"k_dim_chunk ({c}) must divide head_dim ({self.head_dim})")
+        if self.mla:
+            raise LayoutError(f"an MLA cache is token-major: k_dim_chunk must be 0; got {c}")
+        if self.layout is not Layout.HND:
+            raise LayoutError(f"a dim-major K (k_dim_chunk={c}) keeps each head's block whole: layout must be "
+                              f"'HND'; got {self.layout.value!r}")
+
     # ---- derived sizes -------------------------------------------------------------
+    @property
+    def k_dim_major(self) -> bool:
+        """K is stored dim-major inside a head's block (``k_dim_chunk`` > 0)."""
+        return self.k_dim_chunk > 0
+
+    def grain(self, kv: int) -> int:
+        """Elements of one token's head vector that lie contiguous in region ``kv`` (0 K, 1 V):
+        ``head_dim``, or ``k_dim_chunk`` for a dim-major K."""
+        return self.k_dim_chunk if kv == 0 and self.k_dim_chunk else self.head_dim
+
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]

@@ -9,17 +9,24 @@ both sides. Inside one region (one layer's K or V) and one unit, the heads a pla
 A template lists the *pieces* of one unit in the remote's native order; every request then
 repeats it over its units and regions (see ``request.py``). Templates are built once per peer,
 so loops and sorting over one unit's vectors are fine here.
+
+Where either side keeps K dim-major (``KVSpec.k_dim_chunk``), a head vector of K is not
+contiguous: templates for K (``kv=0``) then count in *sub-vectors* of ``grain`` elements (the
+largest run contiguous on both sides, ``sub_vector``), each token's vector being ``head_dim //
+grain`` of them. Templates for V, and for K when both sides are token-major, count whole vectors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 from kvxfer.layout.spec import KVSpec, Storage
 
-__all__ = ["PieceTemplate", "UnpackTemplate", "direct_template", "staged_template", "unit_vectors"]
+__all__ = ["PieceTemplate", "UnpackTemplate", "direct_template", "staged_template", "sub_vector", "unit_vectors"]
 
 
 @dataclass(frozen=True)
@@ -52,35 +59,56 @@ class UnpackTemplate:
 
     ``src``: vector index inside the unit's chunk; ``dst_blk``: local block index within the
     unit; ``dst_vec``: vector offset within that local block. ``chunk_vectors``: chunk size.
+    ``vector_bytes``: the unit every index counts (a head vector, or a sub-vector of a K that
+    either side keeps dim-major).
     """
 
     src: np.ndarray
     dst_blk: np.ndarray
     dst_vec: np.ndarray
     chunk_vectors: int
+    vector_bytes: int
 
 
-def _in_block_offset(spec: KVSpec, token: np.ndarray, head: np.ndarray) -> np.ndarray:
-    """Vector offset within a block of ``spec`` for in-block ``token`` and GLOBAL ``head``."""
-    return token * spec.token_stride + (head - spec.first_head) * spec.head_stride
+def sub_vector(local: KVSpec, remote: KVSpec, kv: int) -> int:
+    """Elements of the unit templates of region ``kv`` count in: the largest run of one token's
+    head vector contiguous on both sides (``head_dim`` unless a side keeps K dim-major)."""
+    return math.gcd(local.grain(kv), remote.grain(kv))
 
 
-def unit_vectors(local: KVSpec, remote: KVSpec, heads: tuple[int, int]) -> dict[str, np.ndarray]:
-    """Every vector of one unit, sorted in the remote's memory order.
+def _in_block_offset(spec: KVSpec, kv: int, grain: int, token: np.ndarray, head: np.ndarray,
+                     part: np.ndarray) -> np.ndarray:
+    """Offset, in sub-vectors of ``grain`` elements, within a block of ``spec``'s region ``kv``
+    of part ``part`` of in-block ``token``'s vector of GLOBAL ``head``."""
+    parts = spec.head_dim // grain
+    vec = (head - spec.first_head) * spec.head_stride
+    if spec.grain(kv) == spec.head_dim:   # token-major: the vector's parts follow one another
+        return (token * spec.token_stride + vec) * parts + part
+    per_chunk = spec.k_dim_chunk // grain  # dim-major K (HND): [head_dim // c, block_size, c]
+    chunk, inner = np.divmod(part, per_chunk)
+    return vec * parts + (chunk * spec.block_size + token) * per_chunk + inner
 
-    Returns int64 arrays ``l_blk, l_vec, r_blk, r_vec`` (block within unit, vector offset
-    within block) of length ``unit_tokens * (heads[1] - heads[0])``.
+
+def unit_vectors(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: int = 1) -> dict[str, np.ndarray]:
+    """Every (sub-)vector of one unit of region ``kv``, sorted in the remote's memory order.
+
+    Returns int64 arrays ``l_blk, l_vec, r_blk, r_vec`` (block within unit, offset within block
+    in units of ``sub_vector(local, remote, kv)`` elements) of length ``unit_tokens * heads * parts``.
     """
     unit = max(local.block_size, remote.block_size)
-    token = np.repeat(np.arange(unit, dtype=np.int64), heads[1] - heads[0])
-    head = np.tile(np.arange(heads[0], heads[1], dtype=np.int64), unit)
+    grain = sub_vector(local, remote, kv)
+    parts = local.head_dim // grain
+    n_heads = heads[1] - heads[0]
+    token = np.repeat(np.arange(unit, dtype=np.int64), n_heads * parts)
+    head = np.tile(np.repeat(np.arange(heads[0], heads[1], dtype=np.int64), parts), unit)
+    part = np.tile(np.arange(parts, dtype=np.int64), unit * n_heads)
     l_blk, l_tok = np.divmod(token, local.block_size)
     r_blk, r_tok = np.divmod(token, remote.block_size)
     v = {
         "l_blk": l_blk,
-        "l_vec": _in_block_offset(local, l_tok, head),
+        "l_vec": _in_block_offset(local, kv, grain, l_tok, head, part),
         "r_blk": r_blk,
-        "r_vec": _in_block_offset(remote, r_tok, head),
+        "r_vec": _in_block_offset(remote, kv, grain, r_tok, head, part),
     }
     order = np.lexsort((v["r_vec"], v["r_blk"]))
     return {k: a[order] for k, a in v.items()}
@@ -100,13 +128,14 @@ def _step_breaks(blk: np.ndarray, vec: np.ndarray) -> np.ndarray:
     return out
 
 
-def direct_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int]) -> PieceTemplate:
-    """Maximal pieces that are contiguous on BOTH sides (runs in the remote's order)."""
-    v = unit_vectors(local, remote, heads)
+def direct_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: int = 1) -> PieceTemplate:
+    """Maximal pieces of region ``kv`` that are contiguous on BOTH sides (runs in the remote's order).
+    ``kv`` matters only where a side keeps K dim-major; K and V are alike otherwise."""
+    v = unit_vectors(local, remote, heads, kv)
     brk = _step_breaks(v["l_blk"], v["l_vec"]) | _step_breaks(v["r_blk"], v["r_vec"])
     s = _starts(brk)
     n = np.diff(np.append(s, brk.shape[0]))
-    vb = local.vector_bytes
+    vb = sub_vector(local, remote, kv) * local.itemsize
     return PieceTemplate(
         l_blk=v["l_blk"][s], l_off=v["l_vec"][s] * vb,
         r_blk=v["r_blk"][s], r_off=v["r_vec"][s] * vb, length=n * vb,
@@ -114,16 +143,16 @@ def direct_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int]) -> Pi
 
 
 def staged_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int],
-                    min_piece_bytes: int) -> tuple[PieceTemplate, UnpackTemplate, bool]:
-    """Remote pieces in native order feeding a staging chunk, and the unpack map.
+                    min_piece_bytes: int, kv: int = 1) -> tuple[PieceTemplate, UnpackTemplate, bool]:
+    """Remote pieces of region ``kv`` in native order feeding a staging chunk, and the unpack map.
 
     Runs of needed vectors that are contiguous in the remote block become pieces. When any
     run is shorter than ``min_piece_bytes`` the plan *over-reads*: one piece per remote block
     spanning its first to its last needed vector (the unneeded vectors between them land in
     staging and are never unpacked). Returns ``(pieces, unpack, over_read)``.
     """
-    v = unit_vectors(local, remote, heads)
-    vb = local.vector_bytes
+    v = unit_vectors(local, remote, heads, kv)
+    vb = sub_vector(local, remote, kv) * local.itemsize
     s = _starts(_step_breaks(v["r_blk"], v["r_vec"]))
     n = np.diff(np.append(s, v["r_blk"].shape[0]))
     # Over-reading a head_packed block would span the other region's interleaved heads and
@@ -141,5 +170,6 @@ def staged_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int],
         l_blk=np.zeros_like(s), l_off=chunk_start * vb,
         r_blk=v["r_blk"][s], r_off=v["r_vec"][s] * vb, length=n * vb,
     )
-    unpack = UnpackTemplate(src=src, dst_blk=v["l_blk"], dst_vec=v["l_vec"], chunk_vectors=int(n.sum()))
+    unpack = UnpackTemplate(src=src, dst_blk=v["l_blk"], dst_vec=v["l_vec"], chunk_vectors=int(n.sum()),
+                            vector_bytes=vb)
     return pieces, unpack, over_read

@@ -86,6 +86,10 @@ class SpecWire(msgspec.Struct, frozen=True):
     tp_rank: NonNeg
     tp_size: Positive
     model: Annotated[str, Meta(max_length=1024)] = ""
+    # Appended: K kept dim-major in chunks of this many elements (``KVSpec.k_dim_chunk``; vLLM's
+    # CPU cache). Older peers send none (token-major K) and ignore it: they only ever exchanged
+    # such a cache whole-block with one of the same format, where K's order moves untouched.
+    k_dim_chunk: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 #: Bounds of ``PeerInfo`` (a Hello is accepted before anything else is known about its sender, so
@@ -372,7 +376,7 @@ def spec_to_wire(spec: KVSpec) -> SpecWire:
         head_dim=int(spec.head_dim), block_size=int(spec.block_size),
         num_blocks=int(spec.num_blocks), dtype=spec.dtype, layout=spec.layout.value,
         storage=spec.storage.value, mla=bool(spec.mla), tp_rank=int(spec.tp_rank),
-        tp_size=int(spec.tp_size), model=spec.model,
+        tp_size=int(spec.tp_size), model=spec.model, k_dim_chunk=int(spec.k_dim_chunk),
     )
 
 

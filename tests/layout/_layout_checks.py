@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvxfer.layout import CacheView, RequestPlan, TransferPlan
-from kvxfer.layout.oracle import Arena, vector_addresses
+from kvxfer.layout.oracle import Arena, byte_addresses
 
 
 def check_tables(req: RequestPlan) -> None:
@@ -30,11 +30,9 @@ def block_mask(view: CacheView, arena: Arena, block_ids) -> np.ndarray:
     """Bool mask of every byte of the given blocks (all heads, all regions)."""
     s = view.spec
     mask = np.zeros(arena.buf.size, dtype=bool)
-    vb = np.arange(s.vector_bytes)
     for layer in range(s.num_layers):
         for kv in range(s.kv_count):
-            addr = vector_addresses(view, layer, kv, np.asarray(block_ids)) - arena.base
-            mask[addr[..., None] + vb] = True
+            mask[byte_addresses(view, layer, kv, np.asarray(block_ids)) - arena.base] = True
     return mask
 
 
@@ -55,8 +53,8 @@ def check_staged_map(plan: TransferPlan, req: RequestPlan) -> None:
     if offs.size:
         assert offs[0] == 0
     assert np.array_equal(offs[1:], ends[:-1]) and (ends[-1] if ends.size else 0) == req.staging_bytes
-    vb = plan.local.spec.vector_bytes
-    for _, _, src, dst in req.unpack_index():
+    for _, kv, src, dst in req.unpack_index():
+        vb = req.unpack_map.unit_bytes(kv)   # a head vector, or a sub-vector of a dim-major K
         assert src.dtype == np.int64 and dst.dtype == np.int64
         assert np.unique(dst).size == dst.size
         assert src.min(initial=0) >= 0 and src.max(initial=0) * vb < max(req.staging_bytes, 1)

@@ -21,13 +21,25 @@ SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[Heal
 TP = st.sampled_from([1, 2, 4, 8])
 
 
+def _k_dim_chunk(draw, head_dim: int, layout: str, mla: bool, force: bool) -> int:
+    """0 (K token-major) or a chunk dividing head_dim (dim-major K; HND only, never MLA)."""
+    chunks = [c for c in range(1, head_dim) if head_dim % c == 0]
+    if layout != "HND" or mla or not chunks or not (force or draw(st.integers(0, 3)) == 0):
+        return 0
+    return draw(st.sampled_from(chunks))
+
+
 @st.composite
-def spec_pair(draw, head_slicing_nhd: bool = False):
+def spec_pair(draw, head_slicing_nhd: bool = False, dim_major: bool = False):
     """A (local spec, remote spec, tokens) draw. ``head_slicing_nhd``: the remote is NHD and holds
-    more heads than the local rank needs (the case staged plans over-read)."""
-    mla = not head_slicing_nhd and draw(st.integers(0, 4)) == 0
+    more heads than the local rank needs (the case staged plans over-read). Either side may keep
+    K dim-major (``k_dim_chunk``); ``dim_major``: at least one side does."""
+    mla = not (head_slicing_nhd or dim_major) and draw(st.integers(0, 4)) == 0
     heads = 1 if mla else draw(st.sampled_from([2, 4, 8] if head_slicing_nhd else [1, 2, 4, 8]))
-    dtype, head_dim = draw(st.sampled_from([("float16", 2), ("bfloat16", 4), ("float32", 1), ("uint8", 4)]))
+    dtype, head_dim = draw(st.sampled_from([("float16", 2), ("bfloat16", 4), ("float32", 1), ("uint8", 4),
+                                            ("float16", 8)]))
+    if dim_major and head_dim == 1:
+        dtype, head_dim = "float32", 4
     bs_l = draw(st.sampled_from([1, 2, 4, 8]))
     ratio = draw(st.sampled_from([1, 2, 4]))
     bs_r = bs_l * ratio if draw(st.booleans()) or bs_l % ratio else bs_l // ratio
@@ -37,21 +49,24 @@ def spec_pair(draw, head_slicing_nhd: bool = False):
     units = draw(st.integers(1 if head_slicing_nhd else 0, 5))
     common = dict(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=dtype, mla=mla, model="m")
 
-    def one(bs, tp, layouts=("NHD", "HND")):
+    def one(bs, tp, layouts=("NHD", "HND"), force_dim_major=False):
         need = units * unit // bs
         layout = draw(st.sampled_from(layouts))
         choices = storages + (["head_packed"] if layout == "HND" and not mla else [])
         return KVSpec(block_size=bs, num_blocks=need + draw(st.integers(1, 4)), tp_size=tp,
-                      layout=layout, storage=draw(st.sampled_from(choices)), **common)
+                      layout=layout, storage=draw(st.sampled_from(choices)),
+                      k_dim_chunk=_k_dim_chunk(draw, head_dim, layout, mla, force_dim_major), **common)
 
+    forced = draw(st.sampled_from(["local", "remote"])) if dim_major else ""
     if head_slicing_nhd:
         tp_r = draw(st.sampled_from([t for t in (1, 2, 4) if t < heads]))
         tp_l = draw(st.sampled_from([t for t in (2, 4, 8) if t > tp_r]))
         remote = one(bs_r, tp_r, ("NHD",))
     else:
         tp_l, tp_r = draw(TP), draw(TP)
-        remote = one(bs_r, tp_r)
-    local = one(bs_l, tp_l).with_rank(draw(st.integers(0, tp_l - 1)))
+        remote = one(bs_r, tp_r, ("HND",) if forced == "remote" else ("NHD", "HND"), forced == "remote")
+    local = one(bs_l, tp_l, ("HND",) if forced == "local" else ("NHD", "HND"),
+                forced == "local").with_rank(draw(st.integers(0, tp_l - 1)))
     return local, remote, units * unit
 
 
@@ -71,8 +86,8 @@ PLAN_KNOBS = st.sampled_from([("auto", 4096), ("auto", 0), ("auto", 1 << 30), ("
 
 
 @SETTINGS
-@given(data=st.data(), pair=st.one_of(spec_pair(), spec_pair(head_slicing_nhd=True)), knobs=PLAN_KNOBS,
-       gap=st.sampled_from([0, 24]))
+@given(data=st.data(), pair=st.one_of(spec_pair(), spec_pair(head_slicing_nhd=True), spec_pair(dim_major=True)),
+       knobs=PLAN_KNOBS, gap=st.sampled_from([0, 24]))
 def test_read_gathers_exact_logical_kv(data, pair, knobs, gap):
     """A local rank reads from every rank ``peer_ranks`` names; afterwards its target blocks hold
     exactly the remote tokens' KV for all its heads and no other local byte changed."""
@@ -91,7 +106,8 @@ def test_read_gathers_exact_logical_kv(data, pair, knobs, gap):
         fill_pattern(rview, rarena, seed=2 + rank)
         plan = build_plan(lview, rview, mode=mode, min_direct_bytes=min_direct)
         req = plan.for_request(lb, rb)
-        event(f"read {plan.mode} over_read={plan.over_read} group={plan.group > 1} rows={req.local.shape[0] > 0}")
+        event(f"read {plan.mode} over_read={plan.over_read} group={plan.group > 1} rows={req.local.shape[0] > 0} "
+              f"dim_major_k={local_spec.k_dim_major or remote_spec.k_dim_major}")
         check_tables(req)
         check_staged_map(plan, req)
         assert_disjoint(req.local)
@@ -119,7 +135,8 @@ def test_read_gathers_exact_logical_kv(data, pair, knobs, gap):
 
 
 @SETTINGS
-@given(data=st.data(), pair=st.one_of(spec_pair(), spec_pair(head_slicing_nhd=True)), knobs=PLAN_KNOBS)
+@given(data=st.data(), pair=st.one_of(spec_pair(), spec_pair(head_slicing_nhd=True), spec_pair(dim_major=True)),
+       knobs=PLAN_KNOBS)
 def test_write_pushes_exact_logical_kv(data, pair, knobs):
     """The producer's plan used in reverse (WRITE) puts its heads into the consumer's blocks."""
     consumer_spec, producer_spec, tokens = pair

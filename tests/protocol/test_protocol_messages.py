@@ -23,7 +23,7 @@ from proto_helpers import info, spec
 @pytest.mark.parametrize(
     "change",
     [dict(tp_size=2, tp_rank=1), dict(layout=Layout.HND), dict(storage=Storage.PACKED),
-     dict(block_size=32), dict(num_blocks=7)],
+     dict(block_size=32), dict(num_blocks=7), dict(layout=Layout.HND, k_dim_chunk=8)],
 )
 def test_compat_hash_ignores_translatable_fields(change):
     assert compat_hash(spec(**change)) == compat_hash(spec())
@@ -43,7 +43,9 @@ def test_compat_hash_covers_identity_fields(change):
 @pytest.mark.parametrize(
     "s",
     [spec(), spec(layout=Layout.HND, storage=Storage.CROSS_LAYER, tp_size=4, tp_rank=3),
-     spec(mla=True, num_kv_heads=1, dtype="float8_e4m3fn")],
+     spec(mla=True, num_kv_heads=1, dtype="float8_e4m3fn"),
+     spec(layout=Layout.HND, storage=Storage.HEAD_PACKED, dtype="float32", k_dim_chunk=1),
+     spec(layout=Layout.HND, dtype="bfloat16", k_dim_chunk=8)],
 )
 def test_spec_wire_round_trip(s):
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(spec_to_wire(s)), type=type(spec_to_wire(s)))
@@ -57,6 +59,20 @@ def test_spec_from_wire_revalidates():
         spec_from_wire(wire)
     with pytest.raises(IncompatiblePeerError, match="float4"):
         spec_from_wire(msgspec.structs.replace(spec_to_wire(spec()), dtype="float4"))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(k_dim_chunk=3), r"k_dim_chunk \(3\) must divide head_dim \(64\)"),
+    (dict(k_dim_chunk=1), "layout must be 'HND'; got 'NHD'"),
+])
+def test_spec_from_wire_checks_the_k_chunk(change, match):
+    """A peer's dim-major K is re-validated like every other spec field: a ProtocolError naming it."""
+    wire = msgspec.structs.replace(spec_to_wire(spec()), **change)
+    with pytest.raises(ProtocolError, match=match):
+        spec_from_wire(wire)
+    with pytest.raises(msgspec.ValidationError, match="k_dim_chunk"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(msgspec.structs.replace(wire, k_dim_chunk=-1)),
+                               type=type(wire))
 
 
 def test_check_peer_info_returns_spec_and_geometry():

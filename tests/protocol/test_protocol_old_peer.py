@@ -19,9 +19,10 @@ from kvxfer.protocol import (
     Claim, ClaimBatch, ClientSession, Codec, Done, Grant, Grants, Hello, Message, PackReady, PackRequest, PeerInfo,
     Reject, ServerSession, SessionState, StagingWire, Welcome, check_peer_info,
 )
-from kvxfer.protocol.messages import IpcWire
+from kvxfer.protocol.messages import IpcWire, SpecWire, spec_from_wire, spec_to_wire
 
 from proto_helpers import codec, info, spec
+from kvxfer.layout.spec import Layout, Storage
 
 #: The appended PeerInfo fields an old peer neither sends nor reads: the GPU paths, then the
 #: multiplexed listener (request ids on the side channel).
@@ -50,7 +51,10 @@ def old_struct(cls: type, drop: tuple[str, ...] = (), retype: dict | None = None
                              tag=cfg.tag, tag_field=cfg.tag_field)
 
 
-OldPeerInfo = old_struct(PeerInfo, drop=NEWER_FIELDS)
+#: The appended SpecWire field an old peer neither sends nor reads (a dim-major K).
+NEWER_SPEC_FIELDS = ("k_dim_chunk",)
+OldSpecWire = old_struct(SpecWire, drop=NEWER_SPEC_FIELDS)
+OldPeerInfo = old_struct(PeerInfo, drop=NEWER_FIELDS, retype={"spec": OldSpecWire})
 OldHello = old_struct(Hello, retype={"info": OldPeerInfo})
 OldWelcome = old_struct(Welcome, retype={"info": OldPeerInfo})
 OLD_MESSAGE = Union[tuple({Hello: OldHello, Welcome: OldWelcome}.get(t, t)  # noqa: UP007
@@ -60,7 +64,9 @@ OLD_FIELDS = OldPeerInfo.__struct_fields__
 
 def old_info(current: PeerInfo) -> OldPeerInfo:
     """What the previous release announces for the same agent."""
-    return OldPeerInfo(**{name: getattr(current, name) for name in OLD_FIELDS})
+    fields = {name: getattr(current, name) for name in OLD_FIELDS}
+    fields["spec"] = OldSpecWire(**{name: getattr(current.spec, name) for name in OldSpecWire.__struct_fields__})
+    return OldPeerInfo(**fields)
 
 
 def old_codec() -> Codec:
@@ -208,3 +214,31 @@ def test_current_decoder_names_an_unknown_message_tag():
     rejected = c.decode(server.receive(frame))
     assert isinstance(rejected, Reject) and rejected.code == "malformed" and "Frobnicate" in rejected.detail
     assert server.state is SessionState.READY and server.rejected == 1
+
+
+def test_the_spec_field_for_a_dim_major_k_is_appended_and_defaulted():
+    """``SpecWire.k_dim_chunk`` comes after every older field, default 0 (token-major K)."""
+    fields = msgspec.structs.fields(SpecWire)
+    assert tuple(f.name for f in fields[-len(NEWER_SPEC_FIELDS):]) == NEWER_SPEC_FIELDS
+    assert fields[-1].default == 0
+    assert OldSpecWire.__struct_fields__ == tuple(f.name for f in fields[:-len(NEWER_SPEC_FIELDS)])
+
+
+def test_old_spec_decodes_as_token_major_k():
+    """An old peer's spec (no ``k_dim_chunk``) decodes to a token-major K, the spec it meant."""
+    s = spec(layout=Layout.HND, storage=Storage.HEAD_PACKED)
+    old = OldSpecWire(**{n: getattr(spec_to_wire(s), n) for n in OldSpecWire.__struct_fields__})
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=SpecWire)
+    assert wire.k_dim_chunk == 0 and spec_from_wire(wire) == s
+
+
+def test_old_peer_decodes_a_dim_major_spec_and_ignores_the_chunk():
+    """The old decoder reads a current Hello whose cache keeps K dim-major: the handshake works
+    and the old peer sees head_packed HND. Old releases only moved head_packed caches whole-block
+    with one of the same format (vLLM adapter ``same_format_only``, kvxfer-hf ``exchangeable_with``),
+    where K's order moves untouched, so ignoring the chunk leaves their transfers exact."""
+    s = spec(layout=Layout.HND, storage=Storage.HEAD_PACKED, k_dim_chunk=1)
+    got = old_codec().decode(codec().encode(Hello(info("eng-new", s)))).info
+    assert isinstance(got, OldPeerInfo)
+    assert (got.spec.layout, got.spec.storage) == ("HND", "head_packed")
+    assert not hasattr(got.spec, "k_dim_chunk")

@@ -2,15 +2,19 @@
 
 One vLLM server (KvxferConnector, block size 32, float32, core 1) serves as the reference
 ("vLLM alone": asked without ``kv_transfer_params``) and as decoder and prefill instance for
-one ``kvxfer-hf`` server (core 0). vLLM's CPU attention keeps each head's K block dim-major
-(K transposed), which kvxfer's KVSpec cannot describe: the vLLM adapter calls it head_packed
-HND (token-major K), so the translator lands K transposed in any peer of another format
-(measured: V exact, K off by up to 6, every answer different). So the transformers server
-here runs ``--kv-layout vllm-cpu --block-size 32``: vLLM's block format byte for byte, whole
-blocks moved. The tests at the end show the NHD pool refusing a vLLM-CPU producer, and
-(expected to fail until kvxfer can describe a dim-major K) vLLM mis-reading an NHD producer. Prefix caching is off on the
-vLLM server: it computes the references, and a decoder that found a prompt's blocks in its own
-prefix cache would load only the rest (and the A-under-B check would mean nothing).
+``kvxfer-hf`` servers (core 0). vLLM's CPU attention keeps each head's K block transposed
+(``[head_dim, block_size]``); the vLLM adapter describes it exactly (``head_packed`` HND,
+``k_dim_chunk=1``), so kvxfer converts it to and from any layout:
+
+* *no layout flags*: ``kvxfer-hf`` in its own layout (NHD split). As decoder it runs with no
+  flags at all (block 16: kvxfer converts K order, HND -> NHD and block 32 -> 16); as producer
+  it takes ``--block-size 32`` only, because vLLM's consumer maps a producer's blocks one to
+  one onto its own (a vLLM adapter rule, not a layout one);
+* ``--kv-layout vllm-cpu --block-size 32``: vLLM's block format byte for byte, whole blocks moved.
+
+Prefix caching is off on the vLLM server: it computes the references, and a decoder that found
+a prompt's blocks in its own prefix cache would load only the rest (and the A-under-B check
+would mean nothing).
 """
 
 from __future__ import annotations
@@ -60,6 +64,30 @@ def hf_cpu(hf_model, hf_logs):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def hf_plain(hf_model, hf_logs):
+    """kvxfer-hf with no flags but the transfer config: NHD split, block 16 (policy fail), core 0."""
+    server = HFServer("hf-plain", hf_model, hf_logs, cpu_bind=HF_CORE, env=quiet_env(port_run(4)),
+                      args=("--kv-transfer-config", hf_config("fail")))
+    start_all([server], timeout=180)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_plain32(hf_model, hf_logs):
+    """kvxfer-hf in its own layout (NHD split) with vLLM's block size, as a producer for vLLM."""
+    server = HFServer("hf-plain32", hf_model, hf_logs, cpu_bind=HF_CORE, env=quiet_env(port_run(4)),
+                      args=("--block-size", "32", "--kv-transfer-config", hf_config("fail")))
+    start_all([server], timeout=180)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def _route(p, d, ref, logs, name, loaded: bool) -> Iterator[Route]:
     proxy = ProxyServer([p], [d], logs, name=name, port=port_run(1)).start()
     try:
@@ -79,9 +107,19 @@ def vllm_to_hf(vllm_server, hf_cpu, hf_logs):
     yield from _route(vllm_server, hf_cpu, vllm_server, hf_logs, "vllm-hf-proxy", True)
 
 
-def test_transformers_alone_equals_vllm_alone(vllm_server, hf_cpu):
+@pytest.fixture(scope="module")
+def plain_to_vllm(vllm_server, hf_plain32, hf_logs):
+    yield from _route(hf_plain32, vllm_server, vllm_server, hf_logs, "plain-vllm-proxy", False)
+
+
+@pytest.fixture(scope="module")
+def vllm_to_plain(vllm_server, hf_plain, hf_logs):
+    yield from _route(vllm_server, hf_plain, vllm_server, hf_logs, "vllm-plain-proxy", True)
+
+
+def test_transformers_alone_equals_vllm_alone(vllm_server, hf_plain):
     # REFERENCE §5: the bar for every cross-engine test below is token equality
-    hf, v = hf_cpu.client(), vllm_server.client()
+    hf, v = hf_plain.client(), vllm_server.client()
     for n in (3, 32, 257, 600):
         prompt = prompt_of(n, seed=7 * n)
         got, want = hf.complete(prompt, MAX_TOKENS).token_ids, v.complete(prompt, MAX_TOKENS).token_ids
@@ -114,28 +152,28 @@ class TestVllmToTransformers(CrossContract):
 
 
 @pytest.mark.compat(producer="vLLM", consumer="transformers", tp="1 -> 1",
-                    layout="vLLM CPU, block 32 -> NHD split, block 16", path="refused (HTTP 500 naming the cause)",
+                    layout="vLLM CPU, block 32 -> NHD split, block 16 (kvxfer-hf, no flags)",
+                    path="host-staged (K transposed back, HND -> NHD, block 32 -> 16)",
                     device="CPU")
-def test_nhd_pool_refuses_a_vllm_cpu_producer(vllm_server, hf_servers):
-    # the NHD pool cannot take vLLM-CPU's dim-major K through the translator: a clear error
-    # (policy fail) instead of wrong tokens
-    prompt = prompt_of(70, seed=5)
-    params = prefill(vllm_server.client(), prompt).kv_transfer_params
-    with pytest.raises(RequestFailed) as err:
-        hf_servers["hf16"].client().complete(prompt, MAX_TOKENS, kv_transfer_params=params)
-    assert err.value.status == 500 and "dim-major" in err.value.body, err.value.body
+class TestVllmToTransformersNoFlags(CrossContract):
+    """vLLM KvxferConnector (CPU, block 32) prefill -> kvxfer-hf with no layout flags (NHD, block 16) decode."""
+
+    @pytest.fixture
+    def route(self, vllm_to_plain):
+        return vllm_to_plain
+
+    def test_decoder_loads_all_but_the_last_prompt_token(self, route):
+        prompt = prompt_of(3 * 32 + 5, seed=13)
+        got = route_pd(route.prefill, route.decode, prompt, MAX_TOKENS)
+        assert got.cached_tokens == len(prompt) - 1
 
 
-# vLLM's CPU cache keeps K dim-major inside a head's block, which kvxfer's head_packed HND does not
-# describe: KvxferConnector refuses any peer of another layout, storage or block size (a converted
-# read would move K transposed). So this pair is refused (the failure policy then applies), never wrong.
 @pytest.mark.compat(producer="transformers", consumer="vLLM", tp="1 -> 1",
-                    layout="NHD split, block 32 -> vLLM CPU, block 32", path="refused (K order)", device="CPU")
-def test_vllm_cpu_decoder_from_an_nhd_producer(vllm_server, hf_servers):
-    prompt = prompt_of(70, seed=6)
-    want = vllm_server.client().complete(prompt, MAX_TOKENS).token_ids
-    try:
-        got = route_pd(hf_servers["hf32"].client(), vllm_server.client(), prompt, MAX_TOKENS)
-    except RequestFailed:
-        return  # a refusal is a correct outcome too
-    assert got.token_ids == want, first_difference(got.token_ids, want)
+                    layout="NHD split, block 32 (kvxfer-hf `--block-size 32`, no `--kv-layout`) -> vLLM CPU, block 32",
+                    path="host-staged (NHD -> HND, K transposed)", device="CPU")
+class TestTransformersToVllmNoFlags(CrossContract):
+    """kvxfer-hf in its own layout (NHD, block 32) prefill -> vLLM KvxferConnector (CPU, block 32) decode."""
+
+    @pytest.fixture
+    def route(self, plain_to_vllm):
+        return plain_to_vllm

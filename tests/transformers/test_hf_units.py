@@ -92,17 +92,22 @@ def test_vllm_cpu_format_is_vllms_cpu_cache_bytes():
     for h in range(SHAPE.num_kv_heads):
         assert torch.equal(raw[h, 0].reshape(-1), k[0, h].t().reshape(-1))   # dim-major K
         assert torch.equal(raw[h, 1], v[0, h])                               # token-major V
-    assert (pool.spec.layout.value, pool.spec.storage.value) == ("HND", "head_packed")
+    assert (pool.spec.layout.value, pool.spec.storage.value, pool.spec.k_dim_chunk) == ("HND", "head_packed", 1)
 
 
 def test_which_peers_a_pool_can_exchange_with():
+    """kvxfer converts vLLM CPU's transposed K, so both formats take every peer that states its K
+    order; a head_packed peer that does not (vLLM CPU on an AMX kernel) is refused by both."""
     nhd = KVPool(SHAPE, num_blocks=2, block_size=32, dtype=torch.float32, device="cpu", model="m")
     cpu = KVPool(SHAPE, num_blocks=2, block_size=32, dtype=torch.float32, device="cpu", model="m", fmt="vllm-cpu")
-    vllm_cpu = KVSpec(2, 2, 8, 32, 100, dtype="float32", layout="HND", storage="head_packed")
+    vllm_cpu = KVSpec(2, 2, 8, 32, 100, dtype="float32", layout="HND", storage="head_packed", k_dim_chunk=1)
     vllm_gpu = KVSpec(2, 2, 8, 16, 100, dtype="float32", layout="HND", storage="split")
-    assert nhd.exchangeable_with(vllm_gpu) and not nhd.exchangeable_with(vllm_cpu)
-    assert cpu.exchangeable_with(vllm_cpu) and not cpu.exchangeable_with(vllm_gpu)
-    assert not cpu.exchangeable_with(KVSpec(2, 2, 8, 64, 100, dtype="float32", layout="HND", storage="head_packed"))
+    unknown_k = KVSpec(2, 2, 8, 32, 100, dtype="float32", layout="HND", storage="head_packed")
+    for pool in (nhd, cpu):
+        assert pool.exchangeable_with(vllm_gpu) and pool.exchangeable_with(vllm_cpu)
+        assert pool.exchangeable_with(KVSpec(2, 2, 8, 64, 100, dtype="float32", layout="HND",
+                                             storage="head_packed", k_dim_chunk=1))
+        assert not pool.exchangeable_with(unknown_k)
 
 
 def test_pool_refuses_what_does_not_fit():

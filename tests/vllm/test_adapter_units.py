@@ -10,7 +10,7 @@ import torch
 
 from kvxfer import Agent, AgentConfig, ConfigError, LayoutError
 from kvxfer.testing import FakeBackend, FakeWorld
-from kvxfer_vllm.cache import describe_cache
+from kvxfer_vllm.cache import cpu_attention_isa, describe_cache
 from kvxfer_vllm.params import BadParams, RemotePrefill, producer_answer
 from kvxfer_vllm.settings import Settings
 from vllm_harness import free_port
@@ -85,12 +85,43 @@ def test_bad_settings_name_the_value(change, env):
 N, BS, H, D, L = 8, 32, 2, 64, 3
 
 
-def test_cpu_backend_cache_is_described_head_major():
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_cpu_backend_cache_is_described_head_major_with_a_transposed_k(isa):
     caches = [torch.zeros(N, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
     desc = describe_cache(caches, num_blocks=N, block_size=BS, num_kv_heads=H, head_size=D,
-                          tp_rank=0, tp_size=1, model="m")
+                          tp_rank=0, tp_size=1, model="m", cpu_isa=isa)
     assert (desc.spec.layout.value, desc.spec.storage.value, desc.spec.num_layers) == ("HND", "head_packed", L)
-    assert desc.head_slices_exact
+    assert desc.spec.k_dim_chunk == 1
+    assert desc.head_slices_exact and not desc.same_format_only
+
+
+def test_cpu_cache_bytes_are_what_the_spec_says():
+    """vLLM's own CPU kernel writes K and V into a cache; kvxfer's byte oracle reads them back
+    through the described spec (so the K order is vLLM's, not a guess)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from kvxfer.layout import CacheGeometry, CacheView
+    from kvxfer.layout.oracle import Arena, logical_kv
+    n, bs, heads, d = 2, 32, 2, 64
+    cache = torch.zeros(n, heads, bs, 2 * d, dtype=torch.float32)
+    desc = describe_cache([cache], num_blocks=n, block_size=bs, num_kv_heads=heads, head_size=d,
+                          tp_rank=0, tp_size=1, model="m")
+    if desc.same_format_only:
+        pytest.skip(f"this host's CPU kernel keeps another K order ({desc.note})")
+    k, v = torch.randn(2, n * bs, heads, d)
+    view = cache.view(n, heads, bs * 2, d)
+    isa = cpu_attention_isa(torch.float32, bs, d)   # the kernel vLLM runs for this cache here
+    ops.cpu_attn_reshape_and_cache(k, v, view[:, :, :bs], view[:, :, bs:], torch.arange(n * bs), isa)
+    arena = Arena.wrap(cache.numpy())
+    got = logical_kv(CacheView(desc.spec, CacheGeometry.contiguous(desc.spec, arena.base)), arena, [0, 1])
+    got = torch.from_numpy(got.view("<f4")[0])   # [kv, tokens, heads, head_dim]
+    assert torch.equal(got[0], k) and torch.equal(got[1], v)
+
+
+def test_cpu_cache_of_another_kernel_moves_only_whole_blocks_of_its_format():
+    caches = [torch.zeros(N, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    desc = describe_cache(caches, num_blocks=N, block_size=BS, num_kv_heads=H, head_size=D,
+                          tp_rank=0, tp_size=1, model="m", cpu_isa="amx")
+    assert desc.same_format_only and desc.spec.k_dim_chunk == 0 and "amx" in desc.note
 
 
 @pytest.mark.parametrize("physical, logical_perm, storage, layout", [

@@ -27,7 +27,7 @@ from kvxfer.gpu.ops import cupy_missing
 from kvxfer.gpu.ipc import IpcExport, IpcPeerCache, export_cache, host_identity
 from kvxfer.engine.paths.pipeline import SlotRange, StagingArea, host_allocate
 from kvxfer.layout import CacheView
-from kvxfer.layout.pairs import DirectTemplate
+from kvxfer.layout.pairs import DirectTemplate, pair_copy_why
 from kvxfer.protocol.messages import IpcWire, StagingWire
 from kvxfer.types import MemKind
 
@@ -178,6 +178,8 @@ class PathKit:
     # ---- peers -----------------------------------------------------------------------
     def ipc_why(self, link) -> str | None:
         """None when ``link``'s cache is mapped here (mapping it on first use), else why not."""
+        if (why := pair_copy_why(link.spec, self.view.spec)) is not None:
+            return why
         state = link.paths.get("ipc")
         if state is None:
             state = link.paths["ipc"] = self._map(link)
@@ -231,6 +233,8 @@ class PathKit:
 
     def staged_why(self, link) -> str | None:
         """None when staged reads from ``link`` are possible, else why not."""
+        if (why := pair_copy_why(link.spec, self.view.spec)) is not None:
+            return why
         if self.area is None:
             return self.area_why
         staging = link.info.staging
