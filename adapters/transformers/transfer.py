@@ -163,8 +163,9 @@ class Transfers:
                 raise IncompatibleKOrder(
                     f"the producer's cache is {peer.layout.value}/{peer.storage.value}, block {peer.block_size}; "
                     f"this pool is {self._pool.spec.layout.value}/{self._pool.spec.storage.value}, block "
-                    f"{self._pool.block_size}: vLLM's CPU cache keeps K dim-major, which kvxfer cannot convert "
-                    f"(run kvxfer-hf with --kv-layout vllm-cpu --block-size {peer.block_size})")
+                    f"{self._pool.block_size}: the producer does not say how it orders K inside a block (vLLM's "
+                    f"AMX CPU kernel tiles it), so only a pool in the same format can read it (run kvxfer-hf with "
+                    f"--kv-layout vllm-cpu --block-size {peer.block_size}, and the same kernel on both sides)")
             tokens, remote_ids, local_count = read_extent(remote, prompt_len, peer.block_size, self._pool.block_size)
             if tokens == 0:
                 self._agent.abort(remote.request_id, remote=(remote.host, remote.port))

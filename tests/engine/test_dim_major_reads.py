@@ -61,7 +61,7 @@ def test_forced_pair_path_names_both_layouts_and_changes_nothing(harness, path):
     with pytest.raises(ConfigError, match=rf"transfer_path='{path}' cannot move this request: .*cannot express "
                                           r"a dim-major K: source HND/head_packed, K dim-major in chunks of 1, "
                                           r"destination NHD/split"):
-        cons.read(prod.address, [9, 2, 7, 0], [4, 1], "r")
+        cons.read(prod.address, [9, 2, 7, 0], [4, 1], "r").wait(5)
     assert prod.holding("r")
     for got, want in zip(ccache, before):
         np.testing.assert_array_equal(got, want)
