@@ -47,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--op", default="read", choices=("read", "write"),
                    help="direction of kvxfer's staged path (raw NIXL baselines READ)")
     p.add_argument("--tokens", type=_ints, default=(8192,), help="tokens per request; several = a sweep")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests per step: each timed iteration submits this many requests of --tokens "
+                        "(Agent.read_many where the Agent has it) and waits for all; the baselines move "
+                        "the same bytes in one post")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -88,7 +92,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        producer_gpu=args.producer_gpu, consumer_gpu=args.consumer_gpu,
                        slot_bytes=args.slot_mib << 20, slots=args.slots, piece_bytes=args.piece_mib,
                        seed=args.seed, cache_factor=args.cache_factor, progress=not args.quiet,
-                       transfer_path=args.transfer_path)
+                       transfer_path=args.transfer_path, batch=args.batch)
 
 
 def main(argv: list[str] | None = None) -> int:

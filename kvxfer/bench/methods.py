@@ -69,8 +69,10 @@ def _contiguous(ts: int, hs: int, tokens: int, heads: int) -> bool:
 
 
 # ---- raw NIXL ------------------------------------------------------------------------
-def nixl_per_block(w, requests, tokens, iters, warmup, options):
-    """One descriptor per layer x K/V x block: what a per-layer connector posts."""
+def block_pairs(w, requests, tokens, options):
+    """Per producer, the request as one piece per layer x K/V x block: ``(name, info, local
+    descs, remote descs)``, addresses in wire order; or a ``{"skipped": why}`` dict when the
+    layouts differ so a block is no single byte range (the raw and peer baselines need that)."""
     import dataclasses  # noqa: PLC0415
 
     from kvxfer.layout.pairs import direct_pairs  # noqa: PLC0415 - pure numpy tables
@@ -78,21 +80,33 @@ def nixl_per_block(w, requests, tokens, iters, warmup, options):
 
     key = options.get("twin") or "native"
     spec = w.cache.spec if key == "native" else dataclasses.replace(w.cache.spec, layout=key)
-    kind = w.cache.geometry.kind
-    posts, count = [], 0
+    out = []
     for r in requests:
         info = w.peers[r["name"]]
-        pairs = direct_pairs(r["spec"], CacheGeometry(info["bases"], info["device"], kind), r["ids"],
-                             spec, w.cache.geometry, r["local_ids"], tokens)
+        pairs = direct_pairs(r["spec"], CacheGeometry(info["bases"], info["device"], w.cache.geometry.kind),
+                             r["ids"], spec, w.cache.geometry, r["local_ids"], tokens)
         if not (_contiguous(pairs.src_ts, pairs.src_hs, pairs.tokens, pairs.heads)
                 and _contiguous(pairs.dst_ts, pairs.dst_hs, pairs.tokens, pairs.heads)):
             return {"skipped": "not expressible as one descriptor per block (layouts differ)"}
-        local = descs(pairs.dst, pairs.pair_bytes, w.cache.geometry.device)
-        remote = descs(pairs.src, pairs.pair_bytes, info["device"])
+        out.append((r["name"], info, descs(pairs.dst, pairs.pair_bytes, w.cache.geometry.device),
+                    descs(pairs.src, pairs.pair_bytes, info["device"])))
+    return out
+
+
+def nixl_per_block(w, requests, tokens, iters, warmup, options):
+    """One descriptor per layer x K/V x block, lists prepared once per peer and one
+    ``make_prepped_xfer`` per producer per request: how vLLM's stock NIXL connector posts."""
+    key = options.get("twin") or "native"
+    pieces = block_pairs(w, requests, tokens, options)
+    if isinstance(pieces, dict):
+        return pieces
+    kind = w.cache.geometry.kind
+    posts, count = [], 0
+    for name, info, local, remote in pieces:
         lp = w.backend.prepare(None, local, kind)
-        rp = w.backend.prepare(r["name"], remote, MemKind(info["kind"]))
-        posts.append((r["name"], lp, rp, np.arange(pairs.n, dtype=np.int64)))
-        count += pairs.n
+        rp = w.backend.prepare(name, remote, MemKind(info["kind"]))
+        posts.append((name, lp, rp, np.arange(len(local), dtype=np.int64)))
+        count += len(local)
 
     def body(it):
         t0 = time.perf_counter()
@@ -111,16 +125,15 @@ def nixl_per_block(w, requests, tokens, iters, warmup, options):
     return result
 
 
-def nixl_1desc(w, requests, tokens, iters, warmup, options):
-    """The same byte count as one descriptor per producer, link buffer to link buffer."""
+def link_check(w, requests, total):
+    """``(poison, verify)`` for a read of ``total`` bytes into this worker's link buffer, each
+    producer's share from the start of its own link buffer (seeded, so known here); or None
+    when the link buffer is too small."""
     import torch  # noqa: PLC0415
 
-    total = options["request_bytes"]
     share = total // len(requests)
-    kind = w.cache.geometry.kind
-    dev = w.cache.geometry.device
     if share * len(requests) > w.link.numel():
-        return {"skipped": f"link buffer of {w.link.numel()} bytes < request {total}"}
+        return None
     expected = torch.empty_like(w.link[: share * len(requests)])
     for i, r in enumerate(requests):
         gen = torch.Generator(device=w.device)
@@ -138,6 +151,19 @@ def nixl_1desc(w, requests, tokens, iters, warmup, options):
         w._sync()
         return bool(torch.equal(w.link[: expected.numel()], expected))
 
+    return poison, verify
+
+
+def nixl_1desc(w, requests, tokens, iters, warmup, options):
+    """The same byte count as one descriptor per producer, link buffer to link buffer."""
+    total = options["request_bytes"]
+    share = total // len(requests)
+    kind = w.cache.geometry.kind
+    dev = w.cache.geometry.device
+    check = link_check(w, requests, total)
+    if check is None:
+        return {"skipped": f"link buffer of {w.link.numel()} bytes < request {total}"}
+
     def body(it):
         t0 = time.perf_counter()
         xids = []
@@ -149,7 +175,7 @@ def nixl_1desc(w, requests, tokens, iters, warmup, options):
         _wait_all(w.backend, xids, "nixl-1desc")
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body, poison=poison, verify=verify)
+    result = _loop(w, iters, warmup, body, poison=check[0], verify=check[1])
     result["descriptors"] = len(requests)
     return result
 
@@ -285,15 +311,35 @@ def _bench_agent(w, options: dict, port: int, listen: bool):
     return ag
 
 
+def step_ids(ids, batch: int) -> list[np.ndarray]:
+    """A ``--batch`` step's ids: the run's request (``batch`` requests' worth of blocks) cut into
+    ``batch`` equal requests, in order (the orchestrator makes the block count divisible)."""
+    return np.split(np.asarray(ids), batch) if batch > 1 else [np.asarray(ids)]
+
+
+def submit_step(ag, remote, local: list, remote_ids: list, rids: list[str]) -> list:
+    """Submit one step of reads and return their handles in order: through the public batch
+    API (``Agent.read_many``) where the Agent has it, else as back-to-back ``Agent.read`` calls."""
+    if hasattr(ag, "read_many"):
+        from kvxfer import ReadRequest  # noqa: PLC0415 - the batch API's request type
+
+        return ag.read_many([ReadRequest(remote, lb, rb, rid, timeout=_DEADLINE)
+                             for lb, rb, rid in zip(local, remote_ids, rids)])
+    return [ag.read(remote, lb, rb, rid, timeout=_DEADLINE) for lb, rb, rid in zip(local, remote_ids, rids)]
+
+
 def agent(w, requests, tokens, iters, warmup, options):
     """Consumer half of ``kvxfer-agent``: ``Agent.read`` from the producer instance, end to end.
 
     ``options["transfer_path"]`` (``--gpu-path``) picks the Agent's path; the modes the reads
-    reported are returned under ``"modes"``."""
+    reported are returned under ``"modes"``. With ``options["batch"]`` N > 1 each iteration is
+    one step of N requests (``submit_step``), timed until every one of them is complete."""
     offset = 50 + 10 * ("auto", "ipc", "staged", "direct").index(options.get("transfer_path") or "auto")
     ag = _bench_agent(w, options, options["port"] + offset, listen=False)
     remote = (options.get("producer_host") or "127.0.0.1", options["port"])
-    local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
+    batch = options.get("batch", 1)
+    local_ids = step_ids(requests[0]["local_ids"], batch)
+    remote_ids = step_ids(requests[0]["ids"], batch)
     modes: set[str] = set()
     setup: list[float] = []
     posted: list[float] = []
@@ -301,19 +347,22 @@ def agent(w, requests, tokens, iters, warmup, options):
 
     def body(it):
         t0 = time.perf_counter()
-        handle = ag.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}")
-        stats = handle.wait(_DEADLINE)
+        handles = submit_step(ag, remote, local_ids, remote_ids, _step_rids(options, it))
+        all_stats = [h.wait(_DEADLINE) for h in handles]
         w._sync()
         seconds = time.perf_counter() - t0
-        modes.add(stats.mode)
-        setup.append(stats.setup_seconds)
-        posted.append(stats.seconds)
-        claims.append(stats.claim_seconds)
+        for stats in all_stats:
+            modes.add(stats.mode)
+        setup.append(all_stats[0].setup_seconds)
+        posted.append(all_stats[-1].seconds)
+        claims.append(all_stats[0].claim_seconds)
         return seconds
 
     result = _loop(w, iters, warmup, body)
     result["modes"] = sorted(modes)
+    result["api"] = "read_many" if hasattr(ag, "read_many") else ("read x N" if batch > 1 else "read")
     # medians (warm-up included): before the post (ids, path, claims, tables, launch) and after it
+    # (with a step: the first request's setup and claim, the last one's post-to-done)
     result["setup_ms"] = sorted(setup)[len(setup) // 2] * 1e3 if setup else None
     result["posted_ms"] = sorted(posted)[len(posted) // 2] * 1e3 if posted else None
     result["claim_ms"] = sorted(claims)[len(claims) // 2] * 1e3 if claims else None
@@ -378,19 +427,28 @@ def drive(w) -> dict:
 
 
 def hold_agent(w, consumer, request, tokens, rounds, options):
-    """Before ``kvxfer-agent`` is timed: hold every round's request, so the consumer's first
-    claim (at once, when the agents are already connected) finds it held."""
+    """Before ``kvxfer-agent`` is timed: hold every round's request(s), so the consumer's first
+    claim (at once, when the agents are already connected) finds them held."""
     ag = _bench_agent(w, options, options["port"], listen=True)
     ag.finished()  # forget earlier serves' reports
-    for rid in _agent_rids(options, rounds):
-        # one consumer rank is measured: with consumer TP > 1 (tp1-2) the default would wait
-        # for the unmeasured ranks' reads until the lease expired
-        ag.hold(rid, request["ids"], consumers=1)
-    return {"held": rounds}
+    chunks = step_ids(request["ids"], options.get("batch", 1))
+    for it in range(rounds):
+        for rid, ids in zip(_step_rids(options, it), chunks):
+            # one consumer rank is measured: with consumer TP > 1 (tp1-2) the default would wait
+            # for the unmeasured ranks' reads until the lease expired
+            ag.hold(rid, ids, consumers=1)
+    return {"held": rounds * len(chunks)}
+
+
+def _step_rids(options: dict, it: int) -> list[str]:
+    batch = options.get("batch", 1)
+    if batch == 1:
+        return [f"bench-{options['run']}-{it}"]
+    return [f"bench-{options['run']}-{it}-{j}" for j in range(batch)]
 
 
 def _agent_rids(options: dict, rounds: int) -> list[str]:
-    return [f"bench-{options['run']}-{i}" for i in range(rounds)]
+    return [rid for it in range(rounds) for rid in _step_rids(options, it)]
 
 
 def serve_agent(w, consumer, request, tokens, rounds, options):
@@ -417,7 +475,7 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
             break
         time.sleep(5e-3)
     if missing:
-        raise TransferFailedError(f"kvxfer-agent: {len(missing)} of {rounds} holds ended without the "
+        raise TransferFailedError(f"kvxfer-agent: {len(missing)} of {len(rids)} holds ended without the "
                                   f"consumer's done notice (e.g. {missing[0]!r}; expired: "
                                   f"{sorted(set(missing) & expired)})")
     return {"rounds": rounds}

@@ -51,9 +51,9 @@ def table(report: dict) -> str:
     for r in report["rows"]:
         if "gbps" not in r:
             why = r.get("skipped") or ("ERROR " + r.get("error", "?").strip().splitlines()[-1][:100])
-            lines.append([str(r["tokens"]), r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", why])
+            lines.append([_tokens_cell(r), r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", why])
             continue
-        cells = [str(r["tokens"]), r["method"], f"{r['bytes'] / 2**20:.0f}", f"{r['median_s'] * 1e3:.3f}",
+        cells = [_tokens_cell(r), r["method"], f"{r['bytes'] / 2**20:.0f}", f"{r['median_s'] * 1e3:.3f}",
                  f"{r['gbps']:.1f}", f"{r['verified']}/{r['verified'] + r['failed']}"]
         cells += [_ratio_cell(r, b) for b in present]
         lines.append(cells)
@@ -105,3 +105,9 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _tokens_cell(row: dict) -> str:
+    """``2048``, or ``32x256`` for a ``--batch`` step of 32 requests of 256 tokens."""
+    n = row.get("requests", 1)
+    return f"{n}x{row['tokens']}" if n > 1 else str(row["tokens"])

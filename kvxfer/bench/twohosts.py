@@ -23,6 +23,7 @@ import os
 from typing import Callable
 
 from kvxfer.bench.hosts import two_hosts
+from kvxfer.bench.report import _tokens_cell
 from kvxfer.bench.run import BenchConfig, run_bench
 from kvxfer.errors import ConfigError
 
@@ -98,7 +99,7 @@ def table(report: dict) -> str:
     for r in report["rows"]:
         if "gbps" not in r:
             why = r.get("skipped") or ("ERROR " + (r.get("error") or "?").strip().splitlines()[-1][:100])
-            lines.append([str(r["tokens"]), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", "-",
+            lines.append([_tokens_cell(r), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", "-",
                           "-", "-", why])
             continue
         notes = ""
@@ -107,7 +108,7 @@ def table(report: dict) -> str:
                      f"first - warm {r['gap_ms']:.1f} ms")
         elif r.get("modes"):
             notes = "path " + "/".join(r["modes"])
-        lines.append([str(r["tokens"]), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}",
+        lines.append([_tokens_cell(r), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}",
                       f"{r['median_s'] * 1e3:.1f}", f"{r['gbps']:.2f}",
                       f"{r['vs_nixl_best']:.2f}" if "vs_nixl_best" in r else "-",
                       f"{r['vs_socket']:.2f}" if "vs_socket" in r else "-",
