@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from kvxfer.bench.report import add_ratios, plot, table, write_json
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     except KvxferError as exc:
         print(f"kvxfer bench: {exc}", file=sys.stderr)
         return 2
+    # how to get this report again (scripts/bench_docs.py prints it above the tables it makes)
+    report["command"] = "kvxfer bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(twohosts.table(report) if args.two_hosts else table(report))
     if args.json:
         write_json(report, args.json)

@@ -9,6 +9,7 @@ the expected cache. Methods:
   connectors issue), prepared lists, one ``make_prepped_xfer`` per producer per request;
 * ``nixl-1desc``: raw NIXL, the request's bytes as one descriptor per producer (the link's
   NIXL figure; moves contiguous buffers, not the cache);
+* ``memcpy`` (CPU): the same byte count copied within the consumer process (the memory line);
 * ``kvxfer-staged-read`` / ``-write``: ``kvxfer.engine.paths.pipeline`` pipelines (pack, move, unpack);
 * ``kvxfer-ipc``: ``kvxfer.gpu`` single pass through CUDA IPC (same host only);
 * ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end (CPU and GPU; on GPUs
@@ -389,6 +390,28 @@ def peer_copy(w, src_device, nbytes, iters, warmup):
     return {"times": times, "verified": ok, "failed": iters - ok, "descriptors": 1}
 
 
+def host_copy(w, requests, tokens, iters, warmup, options):
+    """``memcpy``: ``torch`` ``copy_`` of the request's byte count between two host buffers of
+    this process (one core's memory bandwidth: the line for two processes of one CPU host)."""
+    import torch  # noqa: PLC0415
+
+    if w.device != "cpu":
+        return {"skipped": "memcpy is the CPU line (on GPUs: peer-copy)"}
+    nbytes = options["request_bytes"]
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def body(it):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    result = _loop(w, iters, warmup, body, poison=lambda: dst.fill_(0xA5),
+                   verify=lambda: bool(torch.equal(dst, src)))
+    result["descriptors"] = 1
+    return result
+
+
 # ---- producer halves ------------------------------------------------------------------------
 def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
     from kvxfer.layout.pairs import pack_pairs  # noqa: PLC0415
@@ -486,6 +509,7 @@ CONSUMER: dict[str, Callable[..., dict]] = {
     "kvxfer-agent-staged": agent,
     "nixl-per-block": nixl_per_block,
     "nixl-1desc": nixl_1desc,
+    "memcpy": host_copy,
     "kvxfer-staged-read": lambda *a: staged(*a, direction="read"),
     "kvxfer-staged-write": lambda *a: staged(*a, direction="write"),
     "kvxfer-ipc": ipc,

@@ -28,7 +28,7 @@ from kvxfer.errors import ConfigError
 __all__ = ["BenchConfig", "run_bench", "GPU_METHODS", "CPU_METHODS"]
 
 GPU_METHODS = ("peer-copy", "nixl-1desc", "nixl-per-block", "kvxfer-staged", "kvxfer-ipc", "kvxfer-agent")
-CPU_METHODS = ("nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent")
+CPU_METHODS = ("memcpy", "nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent")
 
 
 @dataclass
@@ -261,7 +261,8 @@ def _addresses(cfg: BenchConfig) -> dict:
     """Where the producer listens and the consumer binds (two hosts: their namespaces' addresses)."""
     out: dict = {"producer_path": cfg.producer_path}
     if cfg.hosts:
-        out.update(producer_host=cfg.hosts[0].address, consumer_host=cfg.hosts[1].address)
+        out.update(producer_host=cfg.hosts[0].address, consumer_host=cfg.hosts[1].address,
+                   consumer_device=cfg.hosts[1].device)
     return out
 
 
@@ -296,7 +297,7 @@ def _short(row: dict) -> str:
         return f"{row['method']}: skipped ({row['skipped']})"
     modes = f", path {'/'.join(row['modes'])}" if row.get("modes") else ""
     if row.get("gap_ms") is not None:  # kvxfer-first-read
-        modes += (f", handshake {row['handshake_ms']:.1f} ms, first {row['first_ms']:.1f} ms, "
+        modes += (f", handshake {row.get('handshake_ms', 0):.1f} ms, first {row['first_ms']:.1f} ms, "
                   f"warm {row['warm_ms']:.1f} ms, first - warm {row['gap_ms']:.1f} ms")
     if row.get("setup_ms") is not None:
         modes += (f", setup {row['setup_ms']:.3f} ms (claims {row['claim_ms']:.3f}), "
@@ -313,7 +314,7 @@ def _describe(s: Scenario) -> dict:
 
 
 def _machine(gpu: bool) -> dict:
-    out = {"host": platform.node(), "python": platform.python_version(),
+    out = {"host": platform.node(), "python": platform.python_version(), "commit": _commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpus": os.cpu_count()}
     try:
@@ -325,3 +326,20 @@ def _machine(gpu: bool) -> dict:
     except ImportError:
         pass
     return out
+
+
+def _commit() -> str | None:
+    """The kvxfer checkout's commit (``+dirty`` with uncommitted changes), or None outside git."""
+    import subprocess  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
