@@ -55,6 +55,12 @@ def _add_line_ratio(report: dict, line: str) -> None:
             r[f"vs_{line}"] = r["gbps"] / base[key]
 
 
+def _verified(row: dict) -> str:
+    if row.get("verified") is None:
+        return "not kept"
+    return f"{row['verified']}/{row['verified'] + row['failed']}"
+
+
 def _ratio(row: dict, key: str) -> str:
     if key not in row:
         return ""
@@ -79,7 +85,7 @@ def table(report: dict) -> str:
             cells = [_tokens(r)] + ([r.get("setting", "")] if settings else []) + [r["method"], f"{r['bytes'] / 2**20:,.0f}"]
             if "gbps" in r:
                 cells += [_num(r["median_s"] * 1e3, 1 if r["median_s"] > 0.01 else 3), _num(r["gbps"]),
-                          f"{r['verified']}/{r['verified'] + r['failed']}"]
+                          _verified(r)]
                 cells += [_ratio(r, k) for k, _ in ratios]
             else:
                 why = r.get("skipped") or "error: " + (r.get("error") or "?").strip().splitlines()[-1][:120]
@@ -101,7 +107,7 @@ def table(report: dict) -> str:
             out.append(f"| {_tokens(r)} | {case} (`{r['method']}`) | {r['bytes'] / 2**20:,.0f} | "
                        f"{_num(r['first_ms'], 1)} | {_num(r['warm_ms'], 1)} | **{r['gap_ms']:+.1f}** | "
                        f"{', '.join(f'{t * 1e3:.0f}' for t in r['times'])} | "
-                       f"{r['verified']}/{r['verified'] + r['failed']} |")
+                       f"{_verified(r)} |")
     return "\n".join(out)
 
 

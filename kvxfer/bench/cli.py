@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # how to get this report again (scripts/bench_docs.py prints it above the tables it makes)
     report["command"] = "kvxfer bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report["env"] = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "KVXFER_", "MC_", "NIXL_"))}
     print(twohosts.table(report) if args.two_hosts else table(report))
     if args.json:
         write_json(report, args.json)

@@ -44,6 +44,20 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _gpu_reason(w: Any) -> str | None:
+    """Why this worker's (GPU) memory cannot go through the installed Mooncake, or None."""
+    if not w.device.startswith("cuda"):
+        return None
+    from importlib import metadata  # noqa: PLC0415
+
+    try:
+        metadata.version("mooncake-transfer-engine-non-cuda")
+    except metadata.PackageNotFoundError:
+        return None  # another build (e.g. the CUDA one): let it try
+    return ("the installed Mooncake wheel (mooncake-transfer-engine-non-cuda) moves host memory only; "
+            "GPU rows need its CUDA build, mooncake-transfer-engine")
+
+
 def _engine(w: Any, host: str) -> tuple[Any, str]:
     """This worker's engine (started once, cache and link buffer registered) and its name."""
     got = w.extra.get("mooncake")
@@ -69,7 +83,7 @@ def _engine(w: Any, host: str) -> tuple[Any, str]:
 
 def prepare(w, consumer, request, tokens, rounds, options) -> dict:
     """Producer, before ``measure``: start the engine; the consumer reads its ``target``."""
-    reason = unavailable_reason()
+    reason = unavailable_reason() or _gpu_reason(w)
     if reason is not None:
         return {"skipped": reason}
     _, target = _engine(w, options.get("producer_host") or "127.0.0.1")
@@ -88,7 +102,7 @@ def _consumer(w, requests, options) -> tuple[Any, list[str]] | dict:
     for r in requests:
         if "skipped" in r.get("prepared", {}):
             return {"skipped": r["prepared"]["skipped"]}
-    reason = unavailable_reason()
+    reason = unavailable_reason() or _gpu_reason(w)
     if reason is not None:
         return {"skipped": reason}
     te, _ = _engine(w, options.get("consumer_host") or "127.0.0.1")
