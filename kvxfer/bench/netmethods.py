@@ -149,6 +149,7 @@ def first_read(w, requests, tokens, iters, warmup, options):
     n = len(result["times"])
     result["handshake_ms"] = statistics.median(handshakes[-n:]) * 1e3
     result["warm_ms"] = statistics.median(warm[-n:]) * 1e3
+    result["warm_times"] = warm[-n:]
     result["first_ms"] = statistics.median(result["times"]) * 1e3
     result["gap_ms"] = statistics.median(f - s for f, s in zip(result["times"], warm[-n:])) * 1e3
     result["handshake_phases_ms"] = phases[-n:]
@@ -222,6 +223,7 @@ def relink(w, requests, tokens, iters, warmup, options):
         agent.close()
     n = len(result["times"])
     result["warm_ms"] = statistics.median(warm[-n:]) * 1e3
+    result["warm_times"] = warm[-n:]
     result["first_ms"] = statistics.median(result["times"]) * 1e3
     result["gap_ms"] = statistics.median(f - s for f, s in zip(result["times"], warm[-n:])) * 1e3
     result["cut_read"] = sorted(set(failed_as))
