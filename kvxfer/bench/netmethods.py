@@ -22,7 +22,8 @@ import statistics
 import time
 from typing import Any
 
-from kvxfer.bench.methods import _DEADLINE, _agent_config, _loop
+from kvxfer.bench.agentmethods import _agent_config
+from kvxfer.bench.methods import _DEADLINE, _loop
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
 
@@ -234,7 +235,7 @@ def relink(w, requests, tokens, iters, warmup, options):
 
 def relink_hold(w, consumer, request, tokens, rounds, options):
     """Producer, before ``measure``: hold the warm read, the one cut off and up to 20 after."""
-    from kvxfer.bench.methods import _bench_agent  # noqa: PLC0415
+    from kvxfer.bench.agentmethods import _bench_agent  # noqa: PLC0415
 
     ag = _bench_agent(w, options, options["port"], listen=True)
     ag.finished()
@@ -252,7 +253,7 @@ def relink_serve(w, consumer, request, tokens, rounds, options):
 
 def first_read_hold(w, consumer, request, tokens, rounds, options):
     """Producer, before ``measure``: hold both reads of every iteration."""
-    from kvxfer.bench.methods import _bench_agent  # noqa: PLC0415
+    from kvxfer.bench.agentmethods import _bench_agent  # noqa: PLC0415
 
     ag = _bench_agent(w, options, options["port"], listen=True)
     ag.finished()
@@ -263,7 +264,7 @@ def first_read_hold(w, consumer, request, tokens, rounds, options):
 
 def first_read_serve(w, consumer, request, tokens, rounds, options):
     """Producer: wait until every held read was done (each iteration's consumer is new)."""
-    from kvxfer.bench.methods import _bench_agent  # noqa: PLC0415
+    from kvxfer.bench.agentmethods import _bench_agent  # noqa: PLC0415
     from kvxfer.errors import TransferTimeoutError  # noqa: PLC0415
 
     ag = _bench_agent(w, options, options["port"], listen=True)
