@@ -11,6 +11,7 @@
 # /tmp/site. Results: JSON and plots under $OUT (default /tmp/kvxfer-out); tables on stdout.
 # With one GPU both processes share it; with two, the producer is on GPU 1.
 set -uo pipefail
+case "${1:-all}" in checks|sweep|step|ab|all) ;; *) echo "usage: bash scripts/gpu_host.sh checks|sweep|step [N]|ab [pairs]|all"; exit 2 ;; esac
 OUT=${OUT:-/tmp/kvxfer-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
