@@ -123,8 +123,9 @@ class PendingAnswer:
 
 
 def _probe(spec, geometry) -> Region:
-    """The first bytes of the peer's cache (block 0 of layer 0's first region), for ``connect``."""
-    return Region(int(geometry.bases[0, 0]), spec.block_bytes, geometry.device, geometry.kind)
+    """The peer's first cache region (layer 0's first), for ``connect``, which reads from its start
+    (a few bytes, then a large read so the first request's bulk protocol is set up too)."""
+    return Region(int(geometry.bases[0, 0]), spec.region_bytes, geometry.device, geometry.kind)
 
 
 class PeerDirectory:
@@ -229,8 +230,8 @@ class PeerDirectory:
             agent_name = self._add_peer(info.backend_metadata)
             loaded = time.perf_counter()
             if self._connect is not None:
-                # open the transport now, not on the first transfer; the probe (a few bytes of the
-                # peer's cache) lets the backend wait until the connection really carries reads
+                # open the transport now, not on the first transfer; the probe (the peer's first cache
+                # region) lets the backend wait until the connection really carries reads, large ones too
                 self._connect(agent_name, probe=_probe(session.peer_spec, session.peer_geometry))
         except BaseException:
             client.close()

@@ -43,7 +43,8 @@ _THREAD_PARAM = {"UCX": "num_threads", "OBJ": "num_threads", "LIBFABRIC": "num_t
                  "GDS_MT": "thread_count", "UCCL": "num_cpus"}
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
-_PROBE_BYTES = 64          # connect()'s probe read: enough to exercise the read path, never a cost
+_PROBE_BYTES = 64          # connect()'s first probe read: wires the endpoint up, never a cost
+_PROBE_LARGE_BYTES = 2 << 20  # its second (host memory): past UCX's large-message thresholds, ~2 ms over TCP
 _PROBE_POLL_S = 2e-4
 log = logging.getLogger("kvxfer.backend")
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
@@ -247,11 +248,16 @@ class NixlBackend:
 
         NIXL's ``make_connection`` only starts UCX's wire-up: over TCP the endpoint is usable
         once the peer has answered, and a transfer posted before that queues behind it (its
-        operations then drain through the progress thread). With ``probe``, a few bytes of memory
-        the peer registered, this also reads up to 64 bytes of it into a scratch buffer of this
-        agent and waits (up to ``timeout`` s) for the read: when it completes the endpoint is
-        wired up, the protocols for reads are chosen and their buffers allocated on both sides.
-        The probe moves no notification, so the peer's application never sees it.
+        operations then drain through the progress thread). With ``probe``, memory the peer
+        registered, this also reads from it into a scratch buffer of this agent and waits (up
+        to ``timeout`` s in all) for each read, in two steps: 64 bytes (the endpoint is then
+        wired up and the small-message protocol chosen), then, when the probe is host memory,
+        up to 2 MiB as one descriptor, so UCX also picks and sets up the protocol and buffers
+        of large reads (rendezvous / zero copy, several segments over TCP) on both sides before
+        the first request needs them. GPU probes stop after the first step: a read into host
+        scratch would warm a path that GPU-to-GPU reads never take. The probe moves no
+        notification, so the peer's application never sees it. Call it again after the
+        transport to a peer was lost (a fresh handshake does).
 
         Returns the seconds spent waiting for the probe (0.0 without one). A probe that fails or
         times out is released and logged, not raised: the first transfer will report a dead peer.
@@ -266,31 +272,42 @@ class NixlBackend:
         if probe is None:
             return 0.0
         started = time.monotonic()
+        sizes = [_PROBE_BYTES]
+        if as_enum(MemKind, probe.kind, "kind") is MemKind.DRAM and int(probe.length) > _PROBE_BYTES:
+            sizes.append(min(int(probe.length), _PROBE_LARGE_BYTES))
+        for nbytes in sizes:
+            if not self._probe_once(peer, probe, nbytes, started + timeout):
+                break
+        return time.monotonic() - started
+
+    def _probe_once(self, peer: str, probe: Region, nbytes: int, deadline: float) -> bool:
+        """One probe read of ``nbytes`` from the start of ``probe``; True when it completed."""
         try:
-            xid = self._post_probe(peer, probe)
+            xid = self._post_probe(peer, probe, nbytes)
         except KvxferError as exc:
             log.warning("NIXL agent %r: connection probe to %r not posted: %s", self.name, peer, exc)
-            return time.monotonic() - started
+            return False
         state = XferState.PENDING
-        while state is XferState.PENDING and time.monotonic() - started < timeout:
+        while state is XferState.PENDING and time.monotonic() < deadline:
             time.sleep(_PROBE_POLL_S)
             state = self.state(xid)
         if state is not XferState.DONE:
-            log.warning("NIXL agent %r: connection probe to %r ended %s after %.3f s (%s)", self.name, peer,
-                        state.name, time.monotonic() - started, self.failure(xid))
+            log.warning("NIXL agent %r: connection probe of %d bytes to %r ended %s (%s)", self.name, nbytes,
+                        peer, state.name, self.failure(xid))
         self.release(xid)
-        return time.monotonic() - started
+        return state is XferState.DONE
 
-    def _post_probe(self, peer: str, probe: Region) -> XferId:
-        """Post the READ of ``connect``'s probe into this agent's scratch buffer (registered once)."""
-        nbytes = min(int(probe.length), _PROBE_BYTES)
+    def _post_probe(self, peer: str, probe: Region, nbytes: int) -> XferId:
+        """Post the READ of ``nbytes`` of ``connect``'s probe into this agent's scratch buffer
+        (registered once, its pages touched so the read pays no page faults)."""
+        nbytes = min(int(probe.length), nbytes)
         if nbytes <= 0:
             raise ConfigError(f"probe region must have a positive length; got {probe.length}")
         with self._lock:
             self._check_open()
             if self._scratch is None:
-                scratch = np.zeros(_PROBE_BYTES, dtype=np.uint8)
-                self.register([Region(scratch.ctypes.data, _PROBE_BYTES, 0, MemKind.DRAM)])
+                scratch = np.ones(_PROBE_LARGE_BYTES, dtype=np.uint8)
+                self.register([Region(scratch.ctypes.data, _PROBE_LARGE_BYTES, 0, MemKind.DRAM)])
                 self._scratch = scratch
             local = np.array([[self._scratch.ctypes.data, nbytes, 0]], dtype=np.uint64)
             remote = np.array([[int(probe.addr), nbytes, int(probe.device)]], dtype=np.uint64)

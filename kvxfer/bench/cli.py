@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 
 from kvxfer.bench.report import add_ratios, plot, table, write_json
@@ -47,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--op", default="read", choices=("read", "write"),
                    help="direction of kvxfer's staged path (raw NIXL baselines READ)")
     p.add_argument("--tokens", type=_ints, default=(8192,), help="tokens per request; several = a sweep")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests per step: each timed iteration submits this many requests of --tokens "
+                        "(Agent.read_many where the Agent has it) and waits for all; the baselines move "
+                        "the same bytes in one post")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -88,7 +94,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        producer_gpu=args.producer_gpu, consumer_gpu=args.consumer_gpu,
                        slot_bytes=args.slot_mib << 20, slots=args.slots, piece_bytes=args.piece_mib,
                        seed=args.seed, cache_factor=args.cache_factor, progress=not args.quiet,
-                       transfer_path=args.transfer_path)
+                       transfer_path=args.transfer_path, batch=args.batch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     except KvxferError as exc:
         print(f"kvxfer bench: {exc}", file=sys.stderr)
         return 2
+    # how to get this report again (scripts/bench_docs.py prints it above the tables it makes)
+    report["command"] = "kvxfer bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report["env"] = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "KVXFER_", "MC_", "NIXL_"))}
     print(twohosts.table(report) if args.two_hosts else table(report))
     if args.json:
         write_json(report, args.json)

@@ -9,10 +9,12 @@ the expected cache. Methods:
   connectors issue), prepared lists, one ``make_prepped_xfer`` per producer per request;
 * ``nixl-1desc``: raw NIXL, the request's bytes as one descriptor per producer (the link's
   NIXL figure; moves contiguous buffers, not the cache);
+* ``memcpy`` (CPU): the same byte count copied within the consumer process (the memory line);
 * ``kvxfer-staged-read`` / ``-write``: ``kvxfer.engine.paths.pipeline`` pipelines (pack, move, unpack);
 * ``kvxfer-ipc``: ``kvxfer.gpu`` single pass through CUDA IPC (same host only);
 * ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end (CPU and GPU; on GPUs
-  ``--gpu-path`` forces the Agent's path: auto, ipc, staged or direct).
+  ``--gpu-path`` forces the Agent's path: auto, ipc, staged or direct), in
+  ``kvxfer.bench.agentmethods``; Mooncake's rows are in ``kvxfer.bench.mooncake``.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def _contiguous(ts: int, hs: int, tokens: int, heads: int) -> bool:
 
 
 # ---- raw NIXL ------------------------------------------------------------------------
-def nixl_per_block(w, requests, tokens, iters, warmup, options):
-    """One descriptor per layer x K/V x block: what a per-layer connector posts."""
+def block_pairs(w, requests, tokens, options):
+    """Per producer, the request as one piece per layer x K/V x block: ``(name, info, local
+    descs, remote descs)``, addresses in wire order; or a ``{"skipped": why}`` dict when the
+    layouts differ so a block is no single byte range (the raw and peer baselines need that)."""
     import dataclasses  # noqa: PLC0415
 
     from kvxfer.layout.pairs import direct_pairs  # noqa: PLC0415 - pure numpy tables
@@ -78,21 +82,33 @@ def nixl_per_block(w, requests, tokens, iters, warmup, options):
 
     key = options.get("twin") or "native"
     spec = w.cache.spec if key == "native" else dataclasses.replace(w.cache.spec, layout=key)
-    kind = w.cache.geometry.kind
-    posts, count = [], 0
+    out = []
     for r in requests:
         info = w.peers[r["name"]]
-        pairs = direct_pairs(r["spec"], CacheGeometry(info["bases"], info["device"], kind), r["ids"],
-                             spec, w.cache.geometry, r["local_ids"], tokens)
+        pairs = direct_pairs(r["spec"], CacheGeometry(info["bases"], info["device"], w.cache.geometry.kind),
+                             r["ids"], spec, w.cache.geometry, r["local_ids"], tokens)
         if not (_contiguous(pairs.src_ts, pairs.src_hs, pairs.tokens, pairs.heads)
                 and _contiguous(pairs.dst_ts, pairs.dst_hs, pairs.tokens, pairs.heads)):
             return {"skipped": "not expressible as one descriptor per block (layouts differ)"}
-        local = descs(pairs.dst, pairs.pair_bytes, w.cache.geometry.device)
-        remote = descs(pairs.src, pairs.pair_bytes, info["device"])
+        out.append((r["name"], info, descs(pairs.dst, pairs.pair_bytes, w.cache.geometry.device),
+                    descs(pairs.src, pairs.pair_bytes, info["device"])))
+    return out
+
+
+def nixl_per_block(w, requests, tokens, iters, warmup, options):
+    """One descriptor per layer x K/V x block, lists prepared once per peer and one
+    ``make_prepped_xfer`` per producer per request: how vLLM's stock NIXL connector posts."""
+    key = options.get("twin") or "native"
+    pieces = block_pairs(w, requests, tokens, options)
+    if isinstance(pieces, dict):
+        return pieces
+    kind = w.cache.geometry.kind
+    posts, count = [], 0
+    for name, info, local, remote in pieces:
         lp = w.backend.prepare(None, local, kind)
-        rp = w.backend.prepare(r["name"], remote, MemKind(info["kind"]))
-        posts.append((r["name"], lp, rp, np.arange(pairs.n, dtype=np.int64)))
-        count += pairs.n
+        rp = w.backend.prepare(name, remote, MemKind(info["kind"]))
+        posts.append((name, lp, rp, np.arange(len(local), dtype=np.int64)))
+        count += len(local)
 
     def body(it):
         t0 = time.perf_counter()
@@ -111,16 +127,15 @@ def nixl_per_block(w, requests, tokens, iters, warmup, options):
     return result
 
 
-def nixl_1desc(w, requests, tokens, iters, warmup, options):
-    """The same byte count as one descriptor per producer, link buffer to link buffer."""
+def link_check(w, requests, total):
+    """``(poison, verify)`` for a read of ``total`` bytes into this worker's link buffer, each
+    producer's share from the start of its own link buffer (seeded, so known here); or None
+    when the link buffer is too small."""
     import torch  # noqa: PLC0415
 
-    total = options["request_bytes"]
     share = total // len(requests)
-    kind = w.cache.geometry.kind
-    dev = w.cache.geometry.device
     if share * len(requests) > w.link.numel():
-        return {"skipped": f"link buffer of {w.link.numel()} bytes < request {total}"}
+        return None
     expected = torch.empty_like(w.link[: share * len(requests)])
     for i, r in enumerate(requests):
         gen = torch.Generator(device=w.device)
@@ -138,6 +153,19 @@ def nixl_1desc(w, requests, tokens, iters, warmup, options):
         w._sync()
         return bool(torch.equal(w.link[: expected.numel()], expected))
 
+    return poison, verify
+
+
+def nixl_1desc(w, requests, tokens, iters, warmup, options):
+    """The same byte count as one descriptor per producer, link buffer to link buffer."""
+    total = options["request_bytes"]
+    share = total // len(requests)
+    kind = w.cache.geometry.kind
+    dev = w.cache.geometry.device
+    check = link_check(w, requests, total)
+    if check is None:
+        return {"skipped": f"link buffer of {w.link.numel()} bytes < request {total}"}
+
     def body(it):
         t0 = time.perf_counter()
         xids = []
@@ -149,7 +177,7 @@ def nixl_1desc(w, requests, tokens, iters, warmup, options):
         _wait_all(w.backend, xids, "nixl-1desc")
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body, poison=poison, verify=verify)
+    result = _loop(w, iters, warmup, body, poison=check[0], verify=check[1])
     result["descriptors"] = len(requests)
     return result
 
@@ -252,87 +280,6 @@ def ipc(w, requests, tokens, iters, warmup, options):
     return result
 
 
-def _agent_config(options: dict, port: int, host: str = "127.0.0.1", path: str | None = None):
-    from kvxfer import AgentConfig  # noqa: PLC0415
-
-    extra = {}
-    if options.get("slot_bytes"):
-        extra = dict(pipeline_slot_bytes=options["slot_bytes"], pipeline_slots=options["slots"])
-    # The producer's agent starts (NIXL agent, cache registration, IPC export) while the
-    # consumer already knocks: give the first handshake more than the default 10 s.
-    # from_env: a run may set kvxfer's variables (e.g. KVXFER_EXPRESS_PORT=off, to compare)
-    return AgentConfig.from_env(side_channel_host=host, side_channel_port=port, handshake_timeout=60.0,
-                                transfer_path=path or options.get("transfer_path") or "auto", **extra)
-
-
-def _bench_agent(w, options: dict, port: int, listen: bool):
-    """This worker's ``Agent`` for ``kvxfer-agent``, kept across rounds: a consumer keeps one per
-    transfer path; a producer (``listen``) has one, on ``options["producer_host"]`` (default
-    127.0.0.1), whose own path is ``options["producer_path"]`` (``staged``: it also serves staged
-    reads of host memory)."""
-    from kvxfer import Agent  # noqa: PLC0415
-
-    key = "agent-producer" if listen else f"agent-{options.get('transfer_path') or 'auto'}"
-    ag = w.extra.get(key)
-    if ag is None:
-        host = options.get("producer_host" if listen else "consumer_host") or "127.0.0.1"
-        path = options.get("producer_path") if listen else None
-        ag = Agent(f"{w.name}-{key}", w.cache.spec, _agent_config(options, port, host, path))
-        ag.register(w.cache.tensors)
-        if listen:
-            ag.listen()
-        w.extra[key] = ag
-    return ag
-
-
-def agent(w, requests, tokens, iters, warmup, options):
-    """Consumer half of ``kvxfer-agent``: ``Agent.read`` from the producer instance, end to end.
-
-    ``options["transfer_path"]`` (``--gpu-path``) picks the Agent's path; the modes the reads
-    reported are returned under ``"modes"``."""
-    offset = 50 + 10 * ("auto", "ipc", "staged", "direct").index(options.get("transfer_path") or "auto")
-    ag = _bench_agent(w, options, options["port"] + offset, listen=False)
-    remote = (options.get("producer_host") or "127.0.0.1", options["port"])
-    local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
-    modes: set[str] = set()
-    setup: list[float] = []
-    posted: list[float] = []
-    claims: list[float] = []
-    total_vs_wall: list[float] = []   # TransferStats.total_seconds over this loop's own clock
-    posted_vs_wall: list[float] = []  # TransferStats.seconds over it
-
-    def body(it):
-        t0 = time.perf_counter()
-        handle = ag.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}", timeout=_DEADLINE)
-        stats = handle.wait()
-        w._sync()
-        seconds = time.perf_counter() - t0
-        modes.add(stats.mode)
-        setup.append(stats.setup_seconds)
-        posted.append(stats.seconds)
-        claims.append(stats.claim_seconds)
-        total_vs_wall.append(stats.total_seconds / seconds)
-        posted_vs_wall.append(stats.seconds / seconds)
-        return seconds
-
-    result = _loop(w, iters, warmup, body)
-    result["modes"] = sorted(modes)
-    # medians (warm-up included): before the post (ids, path, claims, tables, launch) and after it
-    result["setup_ms"] = sorted(setup)[len(setup) // 2] * 1e3 if setup else None
-    result["posted_ms"] = sorted(posted)[len(posted) // 2] * 1e3 if posted else None
-    result["claim_ms"] = sorted(claims)[len(claims) // 2] * 1e3 if claims else None
-    # The stats against the bench's own clock (read() to wait() returning, device synced): total
-    # should be just under 1 (the call is the whole request); posted is what the post left to do.
-    result["total_vs_wall"] = _median(total_vs_wall)
-    result["posted_vs_wall"] = _median(posted_vs_wall)
-    result["total_over_wall"] = sum(1 for r in total_vs_wall if r > 1.0)  # must stay 0
-    return result
-
-
-def _median(values: list[float]) -> float | None:
-    return round(sorted(values)[len(values) // 2], 3) if values else None
-
-
 def peer_copy(w, src_device, nbytes, iters, warmup):
     """torch ``copy_`` of ``nbytes`` from ``src_device`` to this process's GPU, verified."""
     import torch  # noqa: PLC0415
@@ -351,6 +298,28 @@ def peer_copy(w, src_device, nbytes, iters, warmup):
             times.append(seconds)
             ok += bool(torch.equal(dst.to(src.device), src))
     return {"times": times, "verified": ok, "failed": iters - ok, "descriptors": 1}
+
+
+def host_copy(w, requests, tokens, iters, warmup, options):
+    """``memcpy``: ``torch`` ``copy_`` of the request's byte count between two host buffers of
+    this process (one core's memory bandwidth: the line for two processes of one CPU host)."""
+    import torch  # noqa: PLC0415
+
+    if w.device != "cpu":
+        return {"skipped": "memcpy is the CPU line (on GPUs: peer-copy)"}
+    nbytes = options["request_bytes"]
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def body(it):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    result = _loop(w, iters, warmup, body, poison=lambda: dst.fill_(0xA5),
+                   verify=lambda: bool(torch.equal(dst, src)))
+    result["descriptors"] = 1
+    return result
 
 
 # ---- producer halves ------------------------------------------------------------------------
@@ -390,76 +359,21 @@ def drive(w) -> dict:
     return {"polls": polls}
 
 
-def hold_agent(w, consumer, request, tokens, rounds, options):
-    """Before ``kvxfer-agent`` is timed: hold every round's request, so the consumer's first
-    claim (at once, when the agents are already connected) finds it held."""
-    ag = _bench_agent(w, options, options["port"], listen=True)
-    ag.finished()  # forget earlier serves' reports
-    for rid in _agent_rids(options, rounds):
-        # one consumer rank is measured: with consumer TP > 1 (tp1-2) the default would wait
-        # for the unmeasured ranks' reads until the lease expired
-        ag.hold(rid, request["ids"], consumers=1)
-    return {"held": rounds}
-
-
-def _agent_rids(options: dict, rounds: int) -> list[str]:
-    return [f"bench-{options['run']}-{i}" for i in range(rounds)]
-
-
-def serve_agent(w, consumer, request, tokens, rounds, options):
-    """Producer half of ``kvxfer-agent`` (after ``hold_agent``): wait until every request was read."""
-    ag = _bench_agent(w, options, options["port"], listen=True)
-    rids = _agent_rids(options, rounds)
-    deadline = time.monotonic() + _DEADLINE * 2
-    while any(ag.holding(rid) for rid in rids):
-        if time.monotonic() > deadline:
-            raise TransferTimeoutError("kvxfer-agent: the producer still holds requests the consumer read; "
-                                       "it was never told they were done")
-        time.sleep(1e-3)
-    # A staged read's hold can end (its last piece served) a moment before its report is filed:
-    # collect reports for a short while before calling a request unreported.
-    sent: set = set()
-    expired: set = set()
-    settle = time.monotonic() + 5.0
-    while True:
-        fin = ag.finished()
-        sent |= set(fin.sent)
-        expired |= set(fin.expired) | set(fin.aborted)
-        missing = [rid for rid in rids if rid not in sent]
-        if not missing or time.monotonic() > settle:
-            break
-        time.sleep(5e-3)
-    if missing:
-        raise TransferFailedError(f"kvxfer-agent: {len(missing)} of {rounds} holds ended without the "
-                                  f"consumer's done notice (e.g. {missing[0]!r}; expired: "
-                                  f"{sorted(set(missing) & expired)})")
-    return {"rounds": rounds}
-
-
 CONSUMER: dict[str, Callable[..., dict]] = {
-    "kvxfer-agent-direct": agent,   # kvxfer-agent with transfer_path forced (run.py sets it)
-    "kvxfer-agent-staged": agent,
     "nixl-per-block": nixl_per_block,
     "nixl-1desc": nixl_1desc,
+    "memcpy": host_copy,
     "kvxfer-staged-read": lambda *a: staged(*a, direction="read"),
     "kvxfer-staged-write": lambda *a: staged(*a, direction="write"),
     "kvxfer-ipc": ipc,
-    "kvxfer-agent": agent,
 }
 
 #: Producer steps that must finish before the consumer starts ``measure``.
-PREPARE: dict[str, Callable[..., dict]] = {
-    "kvxfer-agent": hold_agent,
-    "kvxfer-agent-direct": hold_agent,
-    "kvxfer-agent-staged": hold_agent,
-}
+PREPARE: dict[str, Callable[..., dict]] = {}  # the kvxfer-agent rows' holds: kvxfer.bench.agentmethods
 
 PRODUCER: dict[str, Callable[..., dict]] = {
     "nixl-per-block": lambda w, *a: drive(w),
     "nixl-1desc": lambda w, *a: drive(w),
     "kvxfer-staged-read": lambda *a: serve_staged(*a, direction="read"),
     "kvxfer-staged-write": lambda *a: serve_staged(*a, direction="write"),
-    "kvxfer-agent": serve_agent,
-    "kvxfer-agent-direct": serve_agent,
-    "kvxfer-agent-staged": serve_agent,
 }

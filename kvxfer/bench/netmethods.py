@@ -8,6 +8,11 @@ Same contract as ``kvxfer.bench.methods`` (consumer halves return ``{"times", "v
 * ``kvxfer-first-read``: per iteration a *new* consumer ``Agent`` (a peer the producer has never
   seen) handshakes (``connect``, timed as ``handshake_ms``), then reads the request (timed: the
   row's times) and reads it again (``warm_ms``); ``gap_ms`` is first minus warm, per iteration.
+  The first iteration's first read is also the producer's first read ever (``fresh_ms``).
+* ``kvxfer-relink``: one consumer ``Agent``; per iteration a warm read (``warm_ms``), then the
+  consumer's end of the link goes down, a read in the gap fails (typed, short timeout), the
+  link comes back up, and the first read after it is timed from the moment the link is up (the
+  row's times; retries, re-handshake and probe included); ``gap_ms`` is that minus warm.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ import statistics
 import time
 from typing import Any
 
-from kvxfer.bench.methods import _DEADLINE, _agent_config, _loop
+from kvxfer.bench.agentmethods import _agent_config
+from kvxfer.bench.methods import _DEADLINE, _loop
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
 
 _SOCKET_PORT_OFFSET = 7
 _FIRST_READ_PORT_OFFSET = 90
+_RELINK_PORT_OFFSET = 95
+_CUT_READ_TIMEOUT_S = 1.0   # the read issued while the link is down fails within this
 
 
 def _expected_link(w: Any, requests: list[dict], nbytes: int):
@@ -142,15 +150,110 @@ def first_read(w, requests, tokens, iters, warmup, options):
     n = len(result["times"])
     result["handshake_ms"] = statistics.median(handshakes[-n:]) * 1e3
     result["warm_ms"] = statistics.median(warm[-n:]) * 1e3
+    result["warm_times"] = warm[-n:]
     result["first_ms"] = statistics.median(result["times"]) * 1e3
     result["gap_ms"] = statistics.median(f - s for f, s in zip(result["times"], warm[-n:])) * 1e3
     result["handshake_phases_ms"] = phases[-n:]
+    result["fresh_ms"] = (result["times"] if not warmup else [None])[0]
+    if result["fresh_ms"] is not None:
+        result["fresh_ms"] *= 1e3
     return result
+
+
+def _link(device: str, state: str) -> None:
+    import subprocess  # noqa: PLC0415
+
+    subprocess.run(["ip", "link", "set", "dev", device, state], check=True, capture_output=True, timeout=10)
+
+
+def relink(w, requests, tokens, iters, warmup, options):
+    """Consumer half of ``kvxfer-relink`` (see the module docstring)."""
+    from kvxfer import Agent  # noqa: PLC0415
+    from kvxfer.errors import KvxferError  # noqa: PLC0415
+
+    device = options.get("consumer_device")
+    if len(requests) != 1 or not device:
+        return {"skipped": "kvxfer-relink needs one producer rank and two hosts (--two-hosts)"}
+    remote = (options["producer_host"], options["port"])
+    local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
+    config = _agent_config({**options, "transfer_path": "auto"}, options["port"] + _RELINK_PORT_OFFSET,
+                           options["consumer_host"])
+    rid = lambda it, which: f"bench-{options['run']}-{it}-{which}"  # noqa: E731
+    warm: list[float] = []
+    failed_as: list[str] = []
+    attempts: list[int] = []
+    phases: list[dict] = []
+    agent = Agent(f"{w.name}-relink", w.cache.spec, config)
+    agent.register(w.cache.tensors)
+
+    def body(it):
+        t0 = time.perf_counter()
+        agent.read(remote, local_ids, remote_ids, rid(it, "warm")).wait(_DEADLINE)
+        warm.append(time.perf_counter() - t0)
+        if not w.verify():
+            raise AssertionError("the warm read did not leave the expected bytes")
+        w.poison()
+        _link(device, "down")
+        try:
+            agent.read(remote, local_ids, remote_ids, rid(it, "cut"), timeout=_CUT_READ_TIMEOUT_S).wait(_DEADLINE)
+            failed_as.append("none")
+        except KvxferError as exc:
+            failed_as.append(type(exc).__name__)
+        finally:
+            _link(device, "up")
+        w.poison()  # a read that failed may have written part of its destination
+        t1 = time.perf_counter()
+        for attempt in range(1, 21):
+            try:
+                stats = agent.read(remote, local_ids, remote_ids, rid(it, f"after{attempt}")).wait(_DEADLINE)
+                break
+            except KvxferError:
+                if attempt == 20:
+                    raise
+        seconds = time.perf_counter() - t1
+        attempts.append(attempt)
+        link = agent.connect(*remote)
+        phases.append({"setup": stats.setup_seconds * 1e3, "claim": stats.claim_seconds * 1e3,
+                       "post_to_done": stats.seconds * 1e3,
+                       **{f"handshake_{k}": v * 1e3 for k, v in link.timings.items()}})
+        return seconds
+
+    try:
+        result = _loop(w, iters, warmup, body)
+    finally:
+        agent.close()
+    n = len(result["times"])
+    result["warm_ms"] = statistics.median(warm[-n:]) * 1e3
+    result["warm_times"] = warm[-n:]
+    result["first_ms"] = statistics.median(result["times"]) * 1e3
+    result["gap_ms"] = statistics.median(f - s for f, s in zip(result["times"], warm[-n:])) * 1e3
+    result["cut_read"] = sorted(set(failed_as))
+    result["attempts"] = attempts[-n:]
+    result["after_phases_ms"] = [{k: round(v, 1) for k, v in p.items()} for p in phases[-n:]]
+    return result
+
+
+def relink_hold(w, consumer, request, tokens, rounds, options):
+    """Producer, before ``measure``: hold the warm read, the one cut off and up to 20 after."""
+    from kvxfer.bench.agentmethods import _bench_agent  # noqa: PLC0415
+
+    ag = _bench_agent(w, options, options["port"], listen=True)
+    ag.finished()
+    names = ["warm", "cut"] + [f"after{a}" for a in range(1, 21)]
+    for i in range(rounds):
+        for which in names:
+            ag.hold(f"bench-{options['run']}-{i}-{which}", request["ids"], consumers=1)
+    return {"held": rounds * len(names)}
+
+
+def relink_serve(w, consumer, request, tokens, rounds, options):
+    """Producer: nothing to wait for (the holds of reads never made expire with the agent)."""
+    return {"rounds": rounds}
 
 
 def first_read_hold(w, consumer, request, tokens, rounds, options):
     """Producer, before ``measure``: hold both reads of every iteration."""
-    from kvxfer.bench.methods import _bench_agent  # noqa: PLC0415
+    from kvxfer.bench.agentmethods import _bench_agent  # noqa: PLC0415
 
     ag = _bench_agent(w, options, options["port"], listen=True)
     ag.finished()
@@ -161,7 +264,7 @@ def first_read_hold(w, consumer, request, tokens, rounds, options):
 
 def first_read_serve(w, consumer, request, tokens, rounds, options):
     """Producer: wait until every held read was done (each iteration's consumer is new)."""
-    from kvxfer.bench.methods import _bench_agent  # noqa: PLC0415
+    from kvxfer.bench.agentmethods import _bench_agent  # noqa: PLC0415
     from kvxfer.errors import TransferTimeoutError  # noqa: PLC0415
 
     ag = _bench_agent(w, options, options["port"], listen=True)
@@ -174,6 +277,6 @@ def first_read_serve(w, consumer, request, tokens, rounds, options):
     return {"rounds": rounds}
 
 
-CONSUMER = {"tcp-socket": socket_consumer, "kvxfer-first-read": first_read}
-PREPARE = {"tcp-socket": socket_listen, "kvxfer-first-read": first_read_hold}
-PRODUCER = {"tcp-socket": socket_serve, "kvxfer-first-read": first_read_serve}
+CONSUMER = {"tcp-socket": socket_consumer, "kvxfer-first-read": first_read, "kvxfer-relink": relink}
+PREPARE = {"tcp-socket": socket_listen, "kvxfer-first-read": first_read_hold, "kvxfer-relink": relink_hold}
+PRODUCER = {"tcp-socket": socket_serve, "kvxfer-first-read": first_read_serve, "kvxfer-relink": relink_serve}

@@ -28,7 +28,7 @@ from kvxfer.errors import ConfigError
 __all__ = ["BenchConfig", "run_bench", "GPU_METHODS", "CPU_METHODS"]
 
 GPU_METHODS = ("peer-copy", "nixl-1desc", "nixl-per-block", "kvxfer-staged", "kvxfer-ipc", "kvxfer-agent")
-CPU_METHODS = ("nixl-1desc", "nixl-per-block", "kvxfer-agent")
+CPU_METHODS = ("memcpy", "nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent")
 
 
 @dataclass
@@ -62,6 +62,9 @@ class BenchConfig:
     hosts: tuple | None = None
     env: dict = field(default_factory=dict)
     producer_path: str | None = None  # the producer Agent's own transfer_path (None: as transfer_path)
+    # ``--batch``: each timed iteration is one step of this many requests of ``tokens`` each (the
+    # kvxfer rows submit them together; the baselines move the same bytes in one post)
+    batch: int = 1
 
     def model(self) -> dict:
         if self.preset == "custom":
@@ -130,13 +133,17 @@ def _summary(result: dict, nbytes: int) -> dict:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run every method of ``cfg`` on the same caches and requests; returns the report dict."""
-    if cfg.rounds < 1 or cfg.iters < 1:
-        raise ConfigError(f"rounds and iters must be >= 1; got rounds={cfg.rounds}, iters={cfg.iters}")
+    if cfg.rounds < 1 or cfg.iters < 1 or cfg.batch < 1:
+        raise ConfigError(f"rounds, iters and batch must be >= 1; got rounds={cfg.rounds}, iters={cfg.iters}, "
+                          f"batch={cfg.batch}")
+    if cfg.batch > 1 and any(t % cfg.block_size for t in cfg.tokens):
+        raise ConfigError(f"--batch needs --tokens in whole blocks of {cfg.block_size} (each request "
+                          f"of the step owns its blocks); got {cfg.tokens}")
     gpu = cfg.device == "gpu"
     # "kvxfer-staged" follows --op; the raw NIXL baselines always READ (NIXL moves both ways alike).
     methods = tuple(f"kvxfer-staged-{cfg.op}" if m == "kvxfer-staged" else m
                     for m in (cfg.methods or (GPU_METHODS if gpu else CPU_METHODS)))
-    max_tokens = max(cfg.tokens)
+    max_tokens = max(cfg.tokens) * cfg.batch   # a step's blocks, all distinct
     factor = cfg.cache_factor or (4 if gpu else 2)
     scen = build_scenario(cfg.scenario, cfg.model(), max_tokens, cfg.block_size, factor)
     dev_c = f"cuda:{cfg.consumer_gpu}" if gpu else "cpu"
@@ -176,20 +183,21 @@ def run_bench(cfg: BenchConfig) -> dict:
 
 def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, p_infos, port,
                 report, dev_p) -> None:
-    sc = dataclasses.replace(scen, tokens=tokens)
+    sc = dataclasses.replace(scen, tokens=tokens * cfg.batch)  # the step: batch requests' blocks
     nbytes = sc.request_bytes
     p_ids = block_ids(sc.producer_blocks, scen.producers[0].num_blocks, cfg.ids, cfg.seed + tokens)
     c_ids = block_ids(sc.consumer_blocks, scen.consumer.num_blocks, cfg.ids, cfg.seed + 2 * tokens + 1)
     requests = [{"name": info["name"], "spec": info["spec"], "seed": info["seed"], "ids": p_ids,
                  "local_ids": c_ids, "consumer_spec": scen.consumer,
                  "remote_slots": (i * cfg.slots, cfg.slots)} for i, info in enumerate(p_infos)]
-    got = consumer.call("expect", requests=requests, tokens=tokens)
+    step_tokens = sc.tokens   # what the methods move per timed iteration (all of a step's requests)
+    got = consumer.call("expect", requests=requests, tokens=step_tokens)
     _say(cfg, f"tokens={tokens}: {nbytes / 2**20:.1f} MiB per request, expected cache built "
               f"({got['changed_bytes']} bytes differ from background)")
     twin = None
     if scen.producers[0].layout is not scen.consumer.layout:
         twin = scen.producers[0].layout.value
-        consumer.call("expect", requests=requests, tokens=tokens, twin_layout=twin)
+        consumer.call("expect", requests=requests, tokens=step_tokens, twin_layout=twin)
     rows: dict[str, dict] = {}
     for rnd in range(cfg.rounds):
         for method in methods:
@@ -201,11 +209,14 @@ def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, 
                 options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
                            "run": f"{tokens}-{label}-{rnd}", "transfer_path": path,
                            "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots,
+                           "batch": cfg.batch,
                            **_addresses(cfg)}
                 t0 = time.monotonic()
-                res = _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p, nbytes)
+                res = _measure(cfg, method, options, consumer, producers, requests, step_tokens, dev_p,
+                               nbytes)
                 res["wall_s"] = time.monotonic() - t0
-                row = rows.setdefault(label, {"tokens": tokens, "method": label, "bytes": nbytes})
+                row = rows.setdefault(label, {"tokens": tokens, "method": label, "bytes": nbytes,
+                                              "requests": cfg.batch})
                 _merge_round(row, res)
                 _say(cfg, "   " + _short({**row, **_summary(res, nbytes)}))
     for row in rows.values():
@@ -218,14 +229,16 @@ def _measure(cfg, method, options, consumer, producers, requests, tokens, dev_p,
         if method == "peer-copy":
             return consumer.call("peer_copy", src_device=dev_p, nbytes=nbytes, iters=cfg.iters,
                                  warmup=cfg.warmup)
-        for p, req in zip(producers, requests):  # e.g. hold the requests the consumer will claim
-            p.call("prepare", method=method, consumer="bench-c", request=req, tokens=tokens,
-                   rounds=cfg.iters + cfg.warmup, options=options)
+        ready = []  # e.g. hold the requests the consumer will claim; a peer engine's address
+        for p, req in zip(producers, requests):
+            ready.append(p.call("prepare", method=method, consumer="bench-c", request=req, tokens=tokens,
+                                rounds=cfg.iters + cfg.warmup, options=options))
         for p, req in zip(producers, requests):
             p.send("serve", method=method, consumer="bench-c", request=req, tokens=tokens,
                    rounds=cfg.iters + cfg.warmup, options=options)
         try:
-            res = consumer.call("measure", method=method, requests=requests, tokens=tokens,
+            res = consumer.call("measure", method=method, tokens=tokens,
+                                requests=[{**req, "prepared": r} for req, r in zip(requests, ready)],
                                 iters=cfg.iters, warmup=cfg.warmup, options=options)
         except Exception as exc:  # the consumer's error first; then reap the producers
             res = {"error": str(exc)[-3000:]}
@@ -248,7 +261,8 @@ def _addresses(cfg: BenchConfig) -> dict:
     """Where the producer listens and the consumer binds (two hosts: their namespaces' addresses)."""
     out: dict = {"producer_path": cfg.producer_path}
     if cfg.hosts:
-        out.update(producer_host=cfg.hosts[0].address, consumer_host=cfg.hosts[1].address)
+        out.update(producer_host=cfg.hosts[0].address, consumer_host=cfg.hosts[1].address,
+                   consumer_device=cfg.hosts[1].device)
     return out
 
 
@@ -283,7 +297,7 @@ def _short(row: dict) -> str:
         return f"{row['method']}: skipped ({row['skipped']})"
     modes = f", path {'/'.join(row['modes'])}" if row.get("modes") else ""
     if row.get("gap_ms") is not None:  # kvxfer-first-read
-        modes += (f", handshake {row['handshake_ms']:.1f} ms, first {row['first_ms']:.1f} ms, "
+        modes += (f", handshake {row.get('handshake_ms', 0):.1f} ms, first {row['first_ms']:.1f} ms, "
                   f"warm {row['warm_ms']:.1f} ms, first - warm {row['gap_ms']:.1f} ms")
     if row.get("setup_ms") is not None:
         modes += (f", setup {row['setup_ms']:.3f} ms (claims {row['claim_ms']:.3f}), "
@@ -303,7 +317,7 @@ def _describe(s: Scenario) -> dict:
 
 
 def _machine(gpu: bool) -> dict:
-    out = {"host": platform.node(), "python": platform.python_version(),
+    out = {"host": platform.node(), "python": platform.python_version(), "commit": _commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpus": os.cpu_count()}
     try:
@@ -315,3 +329,20 @@ def _machine(gpu: bool) -> dict:
     except ImportError:
         pass
     return out
+
+
+def _commit() -> str | None:
+    """The kvxfer checkout's commit (``+dirty`` with uncommitted changes), or None outside git."""
+    import subprocess  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")

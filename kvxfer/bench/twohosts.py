@@ -23,6 +23,7 @@ import os
 from typing import Callable
 
 from kvxfer.bench.hosts import two_hosts
+from kvxfer.bench.report import _tokens_cell, add_ratios
 from kvxfer.bench.run import BenchConfig, run_bench
 from kvxfer.errors import ConfigError
 
@@ -33,8 +34,8 @@ SETTINGS = (
     ("ucx-defaults", {"KVXFER_UCX_DEFAULTS": "0"},
      ("nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged")),
     ("kvxfer", {},
-     ("tcp-socket", "nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged",
-      "kvxfer-agent", "kvxfer-first-read")),
+     ("tcp-socket", "nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent-direct",
+      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-first-read", "kvxfer-relink")),
 )
 #: Every method a two-hosts run knows (``--methods`` naming another is refused).
 METHODS = tuple(dict.fromkeys(m for _, _, methods in SETTINGS for m in methods))
@@ -82,6 +83,8 @@ def add_line_ratios(report: dict) -> dict:
             best[row["tokens"]] = max(best.get(row["tokens"], 0.0), row["gbps"])
         elif row["method"] == "tcp-socket":
             line[row["tokens"]] = row["gbps"]
+    for setting in {row.get("setting") for row in report["rows"]}:  # kvxfer's own ratios, per setting
+        add_ratios({"rows": [row for row in report["rows"] if row.get("setting") == setting]})
     for row in report["rows"]:
         if "gbps" in row and row["tokens"] in best:
             row["vs_nixl_best"] = row["gbps"] / best[row["tokens"]]
@@ -92,25 +95,28 @@ def add_line_ratios(report: dict) -> dict:
 
 def table(report: dict) -> str:
     """Fixed-width rows: tokens, setting, method, MiB, median ms, GB/s, ratios, first-contact figures."""
-    head = ["tokens", "setting", "method", "MiB", "median ms", "GB/s", "/ nixl best", "/ socket", "verified",
-            "notes"]
+    head = ["tokens", "setting", "method", "MiB", "median ms", "GB/s", "/ nixl best", "/ socket",
+            "/ mooncake-batch", "/ best 1-read", "verified", "notes"]
     lines = [head]
     for r in report["rows"]:
         if "gbps" not in r:
             why = r.get("skipped") or ("ERROR " + (r.get("error") or "?").strip().splitlines()[-1][:100])
-            lines.append([str(r["tokens"]), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", "-",
-                          "-", "-", why])
+            lines.append([_tokens_cell(r), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}", "-", "-", "-",
+                          "-", "-", "-", "-", why])
             continue
         notes = ""
-        if r["method"] == "kvxfer-first-read":
-            notes = (f"handshake {r['handshake_ms']:.1f} ms, first {r['first_ms']:.1f} ms, warm {r['warm_ms']:.1f} ms, "
-                     f"first - warm {r['gap_ms']:.1f} ms")
+        if r["method"] in ("kvxfer-first-read", "kvxfer-relink"):
+            notes = (f"first {r['first_ms']:.1f} ms, warm {r['warm_ms']:.1f} ms, first - warm {r['gap_ms']:.1f} ms"
+                     + (f", handshake {r['handshake_ms']:.1f} ms" if "handshake_ms" in r else "")
+                     + (f", fresh producer {r['fresh_ms']:.1f} ms" if r.get("fresh_ms") else ""))
         elif r.get("modes"):
             notes = "path " + "/".join(r["modes"])
-        lines.append([str(r["tokens"]), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}",
+        lines.append([_tokens_cell(r), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}",
                       f"{r['median_s'] * 1e3:.1f}", f"{r['gbps']:.2f}",
                       f"{r['vs_nixl_best']:.2f}" if "vs_nixl_best" in r else "-",
                       f"{r['vs_socket']:.2f}" if "vs_socket" in r else "-",
+                      f"{r['vs_mooncake-batch']:.2f}" if "vs_mooncake-batch" in r else "-",
+                      f"{r['vs_best_1desc']:.2f}" if "vs_best_1desc" in r else "-",
                       f"{r['verified']}/{r['verified'] + r['failed']}", notes])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in lines)

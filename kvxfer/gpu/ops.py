@@ -116,7 +116,7 @@ class PairKernel:
         unroll: loads in flight per thread before storing: 4 or 8.
         lean: launch through ``cuLaunchKernel`` from one prepared argument block, the block ids
             through a ring of preallocated pinned/device slots (the default; about 60-100 us
-            less host time per launch on an H200 host, docs/benchmarks-gpu.md). False: cupy's
+            less host time per launch on an H200 host, docs/benchmarks.md, "One GPU"). False: cupy's
             generic kernel call and pooled buffers for every launch (kept for comparison, and
             used whenever the ring's next slot is busy or too small).
 
