@@ -8,7 +8,9 @@ letting D prefill and P decode.
 
 from __future__ import annotations
 
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -120,6 +122,43 @@ class TestKvxferConnector(PDContract):
         q = prompt_of(70, seed=72)
         assert route_pd(d, p, q, MAX_TOKENS).token_ids == reference(d, q)
         assert route_pd(p, d, q[::-1], MAX_TOKENS).token_ids == reference(p, q[::-1])
+
+    def test_a_frozen_prefill_instance_does_not_hold_up_another_instances_loads(self, pair):
+        """Two prefill instances feed D in the same steps; one is frozen (its side channel accepts
+        connections and never answers, as a SIGSTOPped process's does). The healthy instance's
+        loads finish as fast as with no frozen instance around; the frozen one's load fails after
+        the handshake timeout and D (recompute) computes that prompt itself."""
+        p, d = pair
+        frozen = socket.socket()
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(64)  # never accepted
+        try:
+            healthy = [prompt_of(3 * BLOCK_SIZE + 5, seed=90 + i) for i in range(3)]
+            stuck = prompt_of(2 * BLOCK_SIZE + 3, seed=99)
+            refs = [reference(p, q) for q in healthy]
+            ref_stuck = reference(p, stuck)
+
+            def timed(q):
+                started = time.monotonic()
+                got = route_pd(p, d, q, MAX_TOKENS)
+                return got.token_ids, time.monotonic() - started
+
+            alone = [timed(q)[1] for q in healthy]  # the same work, no frozen instance
+            stuck_params = {**prefill(p, stuck).kv_transfer_params,
+                            "remote_host": "127.0.0.1", "remote_port": frozen.getsockname()[1]}
+            started = time.monotonic()
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                late = pool.submit(d.complete, stuck, MAX_TOKENS, kv_transfer_params=stuck_params)
+                time.sleep(0.5)  # the frozen load is scheduled first: its handshake is already waiting
+                beside = run_concurrently(timed, healthy, workers=3)
+                healthy_done = time.monotonic() - started
+                assert [tokens for tokens, _ in beside] == refs
+                assert max(t for _, t in beside) < max(alone) + 3.0, (alone, beside)
+                assert not late.done(), "the frozen instance's load ended before the healthy ones"
+                assert late.result(timeout=120).token_ids == ref_stuck  # recomputed by D
+            assert healthy_done < 8.0, f"healthy loads took {healthy_done:.1f} s beside a frozen instance"
+        finally:
+            frozen.close()
 
     def test_abort_on_decoder_frees_blocks_on_both_sides(self, servers, pair):
         p, d = pair
