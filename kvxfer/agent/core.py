@@ -335,16 +335,10 @@ class Agent:
         self._check_open()
         self._require_cache()
         pending = [self._pending_read(rr, started) for rr in requests]
-        reserved: list = []
-        try:
-            for read in pending:
-                read.req = self._engine.reserve(read.request_id, Direction.READ, deadline=read.deadline,
-                                                blocks=read.local, granted=False)
-                reserved.append(read.req)
-        except KvxferError:
-            for req in reserved:
-                self._engine.unreserve(req)
-            raise
+        reqs = self._engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
+                                         granted=False)
+        for read, req in zip(pending, reqs):
+            read.req = req
         handles = []
         for read in pending:
             self._read_remotes[read.request_id] = read.remote

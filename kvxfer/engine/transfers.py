@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -47,6 +48,8 @@ from kvxfer.errors import (
 from kvxfer.types import Direction, MemKind, TransferPath
 
 __all__ = ["Job", "Part", "TransferEngine"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class Job(Protocol):
@@ -194,29 +197,37 @@ class TransferEngine:
         Raises:
             ClosedError, RequestInFlightError, BlockIdError: nothing was registered.
         """
+        return self.reserve_many([(request_id, deadline, blocks)], direction, granted=granted)[0]
+
+    def reserve_many(self, items: list, direction: Direction, *, granted: bool = True) -> list["_Request"]:
+        """``reserve`` for many ``(request_id, deadline, blocks)`` at once, all or none: one id in
+        flight, repeated among ``items``, or a quarantined block refuses the whole batch."""
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        ids = np.zeros(0, dtype=np.int64) if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
-        req = _Request(TransferHandle(request_id), direction, [], deadline, time.perf_counter(), "direct", ids,
-                       granted=granted)
+        now = time.perf_counter()
+        reqs = []
+        for request_id, deadline, blocks in items:
+            ids = _EMPTY if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
+            reqs.append(_Request(TransferHandle(request_id), direction, [], deadline, now, "direct", ids,
+                                 granted=granted))
         with self._lock:
-            if request_id in self._requests or request_id in self._quarantine:
-                state = "quarantined (its failed transfer is not confirmed ended)" \
-                    if request_id in self._quarantine else "in flight"
-                raise RequestInFlightError(
-                    f"request {request_id!r} is already {state} on this agent: a second transfer of it is "
-                    "refused (wait for the first handle, or abort it)")
-            self._check_not_quarantined(ids)
-            self._requests[request_id] = req
-        req.handle._poke = lambda: self._poke(req)
-        return req
-
-    def unreserve(self, req: "_Request") -> None:
-        """Forget a reserved request that was never attached (its batch was refused at once)."""
-        with self._lock:
-            if self._requests.get(req.handle.request_id) is req and not req.posted:
-                del self._requests[req.handle.request_id]
-        req.handle._poke = None
+            seen: set[str] = set()
+            for req in reqs:
+                request_id = req.handle.request_id
+                if request_id in self._requests or request_id in self._quarantine or request_id in seen:
+                    state = "quarantined (its failed transfer is not confirmed ended)" \
+                        if request_id in self._quarantine else "in flight"
+                    raise RequestInFlightError(
+                        f"request {request_id!r} is already {state} on this agent: a second transfer of it is "
+                        "refused (wait for the first handle, or abort it)")
+                seen.add(request_id)
+                if self._quarantine:
+                    self._check_not_quarantined(req.blocks)
+            for req in reqs:
+                self._requests[req.handle.request_id] = req
+        for req in reqs:
+            req.handle._poke = partial(self._poke, req)
+        return reqs
 
     def attach(self, req: "_Request", parts: list[Part], *, mode: TransferPath | None = None,
                setup_seconds: float = 0.0, started: bool = False) -> bool:
