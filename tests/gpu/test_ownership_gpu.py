@@ -117,7 +117,11 @@ def test_release_during_a_read_never_frees_blocks_being_read(owner, path):
             want = logical(spec, host_cache(spec, 10), src)
             prod.ask(("hold", rid, src, None))
             handle = cons.read(prod.address, dst, src, rid, timeout=30)
-            prod.ask(("release", rid))  # False when the read already ended and freed it: fine
+            # read() returns before its claim is sent: release once the producer granted it
+            until = time.monotonic() + 10
+            while not (handle.done() or prod.ask(("stats",))["claimed_requests"] >= 1) and time.monotonic() < until:
+                pass
+            prod.ask(("release", rid))  # FREE_NOW when the read already ended and freed it: fine
             try:
                 handle.wait(35)
             except KvxferError:
