@@ -24,7 +24,7 @@ from kvxfer.agent.claims import Claims
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
-from kvxfer.agent.reads import PendingRead, ReadFlow, Settle, links_for
+from kvxfer.agent.reads import PendingRead, ReadFlow, links_for
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
@@ -352,13 +352,7 @@ class Agent:
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
         for remote, reads in by_peer.items():
-            # A producer already handshaken on the same-host IPC path: claim and launch here (the
-            # kernel runs while this call returns); only the answers are awaited on its lane.
-            work = self._reads.start_inline(remote, reads)
-            if work is None:
-                self._lanes.put_many(remote, reads)
-            else:
-                self._lanes.put(remote, work)
+            self._lanes.put_many(remote, reads)
         self._wake.set()
         return handles
 
@@ -413,9 +407,6 @@ class Agent:
         reads = [item for item in items if isinstance(item, PendingRead)]
         if reads:
             self._reads.run(remote, reads)
-        for item in items:
-            if isinstance(item, Settle):
-                self._reads.settle(remote, item)
         writes = [item for item in items if isinstance(item, PendingWrite)]
         if writes:
             run_writes(self, remote, writes)
@@ -427,10 +418,7 @@ class Agent:
     def _lane_crashed(self, items: list, exc: BaseException) -> None:
         error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"internal error: {exc!r}")
         for item in items:
-            if isinstance(item, Settle):
-                for read in item.reads + item.retry:
-                    self._engine.fail(read.req, error)
-            elif not isinstance(item, _PendingAbort):
+            if not isinstance(item, _PendingAbort):
                 self._engine.fail(item.req, error)
         self._wake.set()
 

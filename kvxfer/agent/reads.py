@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
     from kvxfer.agent.peers import PeerLink
 
-__all__ = ["PendingRead", "ReadFlow", "Settle", "links_for", "rank_port"]
+__all__ = ["PendingRead", "ReadFlow", "links_for", "rank_port"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -83,31 +83,18 @@ def rank_port(head: "PeerLink", rank: int) -> int:
     return head.port - head.spec.tp_rank + rank
 
 
-def links_for(peers, spec, remote: tuple[str, int], timeout: float | None = None, cached_only: bool = False):
-    """Links to the remote ranks a rank of ``spec`` reads from, and to those it only notifies.
-
-    ``cached_only``: never handshake; None unless every rank has a healthy cached link."""
+def links_for(peers, spec, remote: tuple[str, int], timeout: float | None = None):
+    """Links to the remote ranks a rank of ``spec`` reads from, and to those it only notifies."""
     host, port = remote
-    get = peers.peek if cached_only else (lambda h, p: peers.get(h, p, timeout=timeout))
-    head = get(host, int(port))
-    if head is None:
-        return None
+    head = peers.get(host, int(port), timeout=timeout)
     tp = head.spec.tp_size
     read = set(peer_ranks(spec, tp))
+
+    def link(rank: int):
+        return head if rank == head.spec.tp_rank else peers.get(host, rank_port(head, rank), timeout=timeout)
+
     ranks = notify_ranks(spec, tp)
-    links = {r: head if r == head.spec.tp_rank else get(host, rank_port(head, r)) for r in ranks}
-    if any(link is None for link in links.values()):
-        return None
-    return [links[r] for r in ranks if r in read], [links[r] for r in ranks if r not in read]
-
-
-@dataclass
-class Settle:
-    """What an inline start leaves for the producer's lane (``ReadFlow.start_inline``)."""
-
-    reads: list            # claimed and started: their answers are awaited on the lane
-    links: list
-    retry: list            # their claim could not be sent: the lane's whole way
+    return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
 
 
 class ReadFlow:
@@ -133,7 +120,6 @@ class ReadFlow:
             if not routed:
                 return
             lost = self._claim(routed, links + notify_only)
-            self._undo(lost)
             if lost and attempt == 1:
                 for link in links + notify_only:
                     self._agent._peers.drop(link)
@@ -143,40 +129,6 @@ class ReadFlow:
             self._start(r for r in routed if r not in lost)
             self._settle([r for r in routed if r not in lost], links)
             pending = [r for r in lost if r.live] if attempt == 1 else []
-
-    def start_inline(self, remote: tuple[str, int], reads: list[PendingRead]) -> "Settle | None":
-        """On the caller's thread, for a producer already handshaken and reached by the IPC path:
-        route, claim (sent, not awaited) and launch now, so the kernel runs while the caller
-        returns. Returns what is left for the lane (collecting the answers: ``Settle``), or None
-        when the reads must take the lane's whole way (a new or lost link, another path), with
-        nothing sent. Never waits on the peer: a claim goes out on an established session."""
-        agent = self._agent
-        if agent.config.transfer_path not in ("auto", "ipc") or agent._kit is None or not agent._kit.vram:
-            return None
-        found = links_for(agent._peers, agent.spec, remote, cached_only=True)
-        if found is None:
-            return None
-        links, notify_only = found
-        if not links or any(agent._kit.ipc_why(link) is not None for link in links):
-            return None
-        routed = [r for r in reads if r.live and self._route(r, links)]
-        if not routed:
-            return Settle([], links, [])
-        lost = self._claim(routed, links + notify_only)
-        started = [r for r in routed if r not in lost]
-        self._start(started)
-        return Settle(started, links, [r for r in lost if r.live])
-
-    def settle(self, remote: tuple[str, int], work: "Settle") -> None:
-        """The lane's part of an inline start: collect the answers; reads whose claim could not
-        be sent (a lost session) take the whole way, with one fresh handshake."""
-        if work.reads:
-            self._settle(work.reads, work.links)
-        if work.retry:
-            self._undo(work.retry)
-            for link in work.links:
-                self._agent._peers.drop(link)
-            self.run(remote, work.retry)
 
     def crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
         """The lane's batch raised something unexpected: fail what it left unfinished."""
@@ -215,15 +167,10 @@ class ReadFlow:
             r.sent = sent
             errors = [p for _, p in sent if isinstance(p, PeerLostError)]
             if errors:
+                claims.undo(r.request_id, [(lk, p) for lk, p in sent if not isinstance(p, KvxferError)])
                 r.sent_error = errors[0]
                 lost.append(r)
         return lost
-
-    def _undo(self, lost: list[PendingRead]) -> None:
-        """Give back what the other ranks granted to reads whose claim was lost on one rank
-        (waits for those answers: on the lane only)."""
-        for r in lost:
-            self._agent._claims.undo(r.request_id, [(lk, p) for lk, p in r.sent if not isinstance(p, KvxferError)])
 
     def _start(self, reads) -> None:
         """Start what may move before the grant: IPC (one launch per rank for the batch), direct
