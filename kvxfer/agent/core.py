@@ -631,13 +631,14 @@ class Agent:
     def _progress_loop(self) -> None:
         last_expire = 0.0
         while not self._closed:
-            busy = False
+            busy, moving = False, 0
             try:
                 if self._engine is not None:
                     # Spin only while bytes move: a request still claiming (on its lane) needs no
                     # polls, and a spinning loop would take the interpreter from that lane.
-                    busy = self._engine.moving()
-                    if busy or self._engine.in_flight():
+                    moving = self._engine.moving()
+                    busy = moving == 2
+                    if moving or self._engine.in_flight():
                         self._engine.progress()
                     if self._kit.router.active():
                         busy = True  # pipelines wait on notifications: deliver them at once
@@ -658,6 +659,8 @@ class Agent:
                     self._wake.wait(self.config.progress_interval)
                 else:
                     time.sleep(0)
+            elif moving == 1:  # kernels or pipelines in flight: look again soon, not in a spin
+                self._wake.wait(0.0002)
             else:
                 self._wake.wait(0.001 if len(self._leases) else 0.005)
             self._wake.clear()

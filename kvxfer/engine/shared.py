@@ -86,6 +86,7 @@ class _Member:
         self._shared, self._left = shared, False
         self.num_bytes, self.descriptors = num_bytes, descriptors
         self.notifies = bool(getattr(shared._job, "notifies", False))
+        self.moves_itself = bool(getattr(shared._job, "moves_itself", False))
 
     def poll(self) -> bool:
         return self._shared.poll()

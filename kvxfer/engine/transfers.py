@@ -385,10 +385,25 @@ class TransferEngine:
         finally:
             req.lock.release()
 
-    def moving(self) -> bool:
-        """Whether some request has parts posted and not yet ended (the progress loop then spins)."""
+    def moving(self) -> int:
+        """How the progress loop should poll: 2 while a posted request has a backend transfer
+        (UCX moves host-memory data inside the polls: spin), 1 while only jobs that move their
+        own bytes are in flight (a kernel, a pipeline thread: poll soon, without holding the
+        interpreter from the threads launching them), 0 when nothing moves."""
         with self._lock:
-            return any(r.posted for r in self._requests.values()) or bool(self._quarantine)
+            requests = list(self._requests.values())
+            if self._quarantine:
+                return 2
+        level = 0
+        for req in requests:
+            if not req.posted:
+                continue
+            for part in req.parts:
+                if getattr(part.job, "moves_itself", False):
+                    level = 1
+                else:
+                    return 2
+        return level
 
     def _poll(self, req: _Request) -> None:
         for part in req.parts:

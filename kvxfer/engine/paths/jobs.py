@@ -24,6 +24,7 @@ class IpcJob:
     """Pair-copy kernels already enqueued on a CUDA stream, followed by ``event``."""
 
     notifies = False
+    moves_itself = True  # the GPU moves the bytes: polling only observes the event
 
     def __init__(self, launches: list, event: Any, num_bytes: int, descriptors: int) -> None:
         self._launches, self._event = launches, event  # launches keep the uploaded tables alive
@@ -50,6 +51,7 @@ class PipelineJob:
     """
 
     notifies = False
+    moves_itself = True  # its own thread drives the pipeline
 
     def __init__(self, name: str, body: Callable[[], None], link: PipeLink, cleanup: Callable[[], None],
                  num_bytes: int, descriptors: int) -> None:
