@@ -39,11 +39,12 @@ import numpy as np
 
 from kvxfer.engine.paths.jobs import IpcJob
 from kvxfer.engine.paths.reading import ReadRoute, plan_read
+from kvxfer.engine.posted import DirectJob
 from kvxfer.engine.shared import SharedJob
 from kvxfer.engine.transfers import Part
 from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError, TransferTimeoutError
 from kvxfer.layout import notify_ranks, peer_ranks
-from kvxfer.types import TransferPath
+from kvxfer.types import Direction, TransferPath
 
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
@@ -95,6 +96,17 @@ def links_for(peers, spec, remote: tuple[str, int], timeout: float | None = None
 
     ranks = notify_ranks(spec, tp)
     return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
+
+
+class _Joined:
+    """Several requests' descriptor rows to one producer rank, as one plan (``DirectJob`` posts it)."""
+
+    staging_bytes = 0
+
+    def __init__(self, plans: list) -> None:
+        self.local = np.concatenate([p.local for p in plans])
+        self.remote = np.concatenate([p.remote for p in plans])
+        self.num_bytes = sum(int(p.num_bytes) for p in plans)
 
 
 class ReadFlow:
@@ -217,6 +229,47 @@ class ReadFlow:
                     part.on_done = partial(agent._done.send, link, r.request_id)
                 self._attach(r, parts, started=True)
 
+    def _post_direct_many(self, reads: list[PendingRead]) -> None:
+        """Post granted direct reads: each producer rank's share of all of them in one backend
+        transfer (one NIXL post for the batch), each read owning a member of it; a read that goes
+        through the host staging buffer (a layout change) is posted on its own."""
+        agent = self._agent
+        engine, view = agent._engine, agent._require_cache()
+        alone = [r for r in reads
+                 if r.route.chunked or any(c.staging_bytes for chunks in r.route.requests for c in chunks)]
+        for r in alone:  # chunked, or host-staged through the staging buffer: one post each
+            self._post_direct(r)
+        reads = [r for r in reads if r not in alone]
+        with engine.posting([r.req for r in reads]) as live_reqs:
+            live = [r for r in reads if r.req in live_reqs]
+            parts = {id(r): r.route.start(agent._kit, view, r.timeout, 0.0) for r in live}
+            by_peer: dict[str, list] = {}
+            for r in live:
+                for part in parts[id(r)]:
+                    by_peer.setdefault(part.peer, []).append((r, part))
+            failed: dict[int, KvxferError] = {}
+            for peer, members in by_peer.items():
+                try:
+                    job = DirectJob(agent._backend, Direction.READ, _Joined([p.plan for _, p in members]),
+                                    view.geometry.kind, peer, members[0][1].remote_kind, b"",
+                                    f"a batch of {len(members)} reads")
+                except KvxferError as exc:
+                    for r, _ in members:
+                        failed[id(r)] = exc
+                    continue
+                shared = SharedJob(job, members=len(members))
+                for _, part in members:  # the completion notice goes per read, once it is known good
+                    part.job = shared.member(int(part.plan.num_bytes), int(part.plan.local.shape[0]))
+                    part.on_done = partial(agent._backend.notify, peer, part.notification)
+                    part.notification = b""
+            for r in live:
+                if id(r) in failed:
+                    agent._claims.give_back(r.request_id)
+                    self._fail(r, failed[id(r)])
+                    # its other parts, if any, were posted: attach them so the read ends only with them
+                self._attach(r, [p for p in parts[id(r)] if p.job is not None], started=True)
+        agent._wake.set()
+
     def _post_direct(self, r: PendingRead) -> None:
         """Post a granted direct read (its NIXL transfer carries the completion notification)."""
         agent = self._agent
@@ -244,6 +297,7 @@ class ReadFlow:
         agent = self._agent
         claims = agent._claims
         previous = None  # the batch's last staged read started
+        direct: list[PendingRead] = []  # granted direct reads: posted together after the answers
         for r in reads:
             try:
                 claims.answers(r.request_id, r.sent)
@@ -259,7 +313,7 @@ class ReadFlow:
                 claims.give_back(r.request_id)
                 continue
             if r.route.mode is TransferPath.DIRECT:
-                self._post_direct(r)
+                direct.append(r)
             elif r.route.mode is TransferPath.STAGED:
                 try:
                     parts = self._start_staged(r, previous)
@@ -275,6 +329,8 @@ class ReadFlow:
             agent._engine.grant(r.req, claim_seconds=claimed)
             r.req.handle.done()  # its bytes may be in already (an IPC kernel): complete it here
             agent._wake.set()
+        if direct:
+            self._post_direct_many(direct)
 
     def _start_staged(self, r: PendingRead, previous: PendingRead | None) -> list:
         """Start a granted staged read. Staged reads of one batch run one after another: each
