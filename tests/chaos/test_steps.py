@@ -26,19 +26,6 @@ from chaos_peers import BIG, REUSED, Peer, blocks_of, consumer, fill, freeze, id
 SEED = 11
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ucx_over_tcp():
-    old = os.environ.get("UCX_TLS")
-    tls = os.environ.get("KVXFER_CHAOS_TLS", "tcp")
-    if tls != "default":
-        os.environ["UCX_TLS"] = tls
-    yield
-    if old is None:
-        os.environ.pop("UCX_TLS", None)
-    else:
-        os.environ["UCX_TLS"] = old
-
-
 @pytest.fixture(scope="module")
 def pair():
     healthy, frozen = Peer(KVSpec(**BIG), SEED, wait=False), Peer(KVSpec(**BIG), SEED + 1, wait=False)
