@@ -185,8 +185,8 @@ class ReadFlow:
         return lost
 
     def _start(self, reads) -> None:
-        """Start what may move before the grant: IPC (one launch per rank for the batch), direct
-        posts; send the staged reads' pack requests behind their claims."""
+        """Start what may move before the grant: IPC (one launch per rank for the batch); send a
+        lone staged read's pack requests behind its claim."""
         agent = self._agent
         reads = list(reads)
         ipc = [r for r in reads if r.route.mode is TransferPath.IPC]
@@ -299,6 +299,8 @@ class ReadFlow:
         previous = None  # the batch's last staged read started
         direct: list[PendingRead] = []  # granted direct reads: posted together after the answers
         for r in reads:
+            if r.sent is None:  # failed before its claim went out
+                continue
             try:
                 claims.answers(r.request_id, r.sent)
             except KvxferError as exc:
