@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from kvxfer.errors import KvxferError, PeerLostError
+from kvxfer.errors import BackendError, KvxferError, PeerLostError
 from kvxfer.layout import CacheView, build_plan
 from kvxfer.protocol import ClientSession, Codec, PeerInfo, SessionState
 from kvxfer.transport.base import Channel
@@ -227,7 +227,13 @@ class PeerDirectory:
             welcomed = time.perf_counter()
             self._attach_express(client, host, info, timeout or self._timeout)
             laned = time.perf_counter()
-            agent_name = self._add_peer(info.backend_metadata)
+            try:
+                agent_name = self._add_peer(info.backend_metadata)
+            except BackendError as exc:
+                # It answered the hello, and its transport cannot be reached now (UCX's endpoint
+                # failed: "destination unreachable"): the peer went away during the handshake.
+                raise PeerLostError(f"{host}:{port} ({info.engine_id}) answered the handshake, but its transport "
+                                    f"cannot be reached: {exc}") from exc
             loaded = time.perf_counter()
             if self._connect is not None:
                 # open the transport now, not on the first transfer; the probe (the peer's first cache

@@ -249,6 +249,8 @@ class ReadFlow:
                     by_peer.setdefault(part.peer, []).append((r, part))
             failed: dict[int, KvxferError] = {}
             for peer, members in by_peer.items():
+                if len(members) == 1:  # a lone read: its own post, its notification inside the transfer
+                    continue
                 try:
                     job = DirectJob(agent._backend, Direction.READ, _Joined([p.plan for _, p in members]),
                                     view.geometry.kind, peer, members[0][1].remote_kind, b"",
@@ -267,7 +269,9 @@ class ReadFlow:
                     agent._claims.give_back(r.request_id)
                     self._fail(r, failed[id(r)])
                     # its other parts, if any, were posted: attach them so the read ends only with them
-                self._attach(r, [p for p in parts[id(r)] if p.job is not None], started=True)
+                # lone parts (no job yet) are posted by the engine here, with their notification
+                self._attach(r, [p for p in parts[id(r)] if p.job is not None or id(r) not in failed],
+                             started=True)
         agent._wake.set()
 
     def _post_direct(self, r: PendingRead) -> None:

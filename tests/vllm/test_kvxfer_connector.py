@@ -144,8 +144,8 @@ class TestKvxferConnector(PDContract):
                 return got.token_ids, time.monotonic() - started
 
             alone = [timed(q)[1] for q in healthy]  # the same work, no frozen instance
-            stuck_params = {**prefill(p, stuck).kv_transfer_params,
-                            "remote_host": "127.0.0.1", "remote_port": frozen.getsockname()[1]}
+            real_params = prefill(p, stuck).kv_transfer_params
+            stuck_params = {**real_params, "remote_host": "127.0.0.1", "remote_port": frozen.getsockname()[1]}
             started = time.monotonic()
             with ThreadPoolExecutor(max_workers=1) as pool:
                 late = pool.submit(d.complete, stuck, MAX_TOKENS, kv_transfer_params=stuck_params)
@@ -157,6 +157,8 @@ class TestKvxferConnector(PDContract):
                 assert not late.done(), "the frozen instance's load ended before the healthy ones"
                 assert late.result(timeout=120).token_ids == ref_stuck  # recomputed by D
             assert healthy_done < 8.0, f"healthy loads took {healthy_done:.1f} s beside a frozen instance"
+            d.complete(stuck, 1, kv_transfer_params=real_params)  # consume P's hold: frees its blocks
+            wait_for_no_blocks_in_use(p, d, within=30)
         finally:
             frozen.close()
 
