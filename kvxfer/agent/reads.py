@@ -345,7 +345,10 @@ class ReadFlow:
         agent = self._agent
         if previous is not None:
             left = None if r.deadline is None else max(0.0, r.deadline - agent._clock.now())
-            previous.req.handle._event.wait(left)
+            try:
+                previous.req.handle.wait(left)
+            except KvxferError:
+                pass  # it failed or is still running: either way this one waited its turn
         return r.route.start(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
 
     # ---- helpers -----------------------------------------------------------------

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from kvxfer import KVSpec
-from kvxfer.bench.hosts import HostsUnavailableError, two_hosts
 from kvxfer.testing import ProducerProcess, expected_read, logical_kv, run_reporting, serve_commands
 
 #: 8 layers x K/V x 64 KiB blocks: 4 MiB a read of 4 blocks, past the handshake probe's 2 MiB.
@@ -93,15 +92,6 @@ def _consumer(out, host, producer_address: str) -> None:
         out.put(("ok", report))
     except BaseException as exc:  # report it to the test instead of hanging it
         out.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-@pytest.fixture
-def hosts():
-    try:
-        with two_hosts() as pair:
-            yield pair
-    except HostsUnavailableError as exc:
-        pytest.skip(str(exc))
 
 
 def test_first_read_to_a_fresh_producer_and_first_after_a_link_cut_are_exact(hosts):

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from kvxfer import KVSpec
-from kvxfer.bench.hosts import HostsUnavailableError, two_hosts
 from kvxfer.testing import ProducerProcess, expected_read, logical_kv, run_reporting, serve_commands
 
 SPEC = dict(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=48, dtype="bfloat16")
@@ -72,15 +71,6 @@ def _consumer(out, host, producer_address: str) -> None:
         out.put(("ok", report))
     except BaseException as exc:  # report it to the test instead of hanging it
         out.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-@pytest.fixture
-def hosts():
-    try:
-        with two_hosts() as pair:
-            yield pair
-    except HostsUnavailableError as exc:
-        pytest.skip(str(exc))
 
 
 def test_reads_across_hosts_are_exact_and_the_users_ucx_variable_wins(hosts):

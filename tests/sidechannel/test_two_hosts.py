@@ -9,22 +9,12 @@ import time
 
 import pytest
 
-from kvxfer.bench.hosts import HostsUnavailableError, two_hosts
 
 from sidechannel_peers import COMMON, ConsumerProcess, Peer, free_port_block
 
 #: 512 KiB a block (8 layers x K/V x 16 tokens x 8 heads x 128 x bf16): 80 blocks are 40 MiB.
 BIG = dict(COMMON, num_layers=8, num_kv_heads=8, head_dim=128, num_blocks=96)
 TYPED = {"TransferTimeoutError", "PeerLostError", "TransferFailedError", "LeaseExpiredError"}
-
-
-@pytest.fixture
-def hosts():
-    try:
-        with two_hosts() as pair:
-            yield pair
-    except HostsUnavailableError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture
