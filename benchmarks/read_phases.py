@@ -1,26 +1,70 @@
-"""Where the time of one ``Agent.read`` goes on the consumer: the call itself (ids, path choice,
-tables or kernel launch, claim round trip) and the wait for completion, with a cProfile of the
-calls. Two processes (producer spawned), Llama-3-8B-shaped cache, fragmented block ids.
+"""Where the time of one read (or one step of reads) goes, as a timeline across kvxfer's threads.
 
-Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 8192] [--reads 40] [--profile] [--fine]
+Two processes (producer spawned), Llama-3-8B-shaped cache, fragmented block ids. Each
+iteration submits ``--batch`` reads with ``Agent.read_many`` and waits for all of them. The
+steps of the read flow are wrapped to record when they begin and end, and on which thread
+(the caller, the producer's lane, the progress loop); the table gives each step's median
+offset from the call over the timed iterations. No profiler: the offsets are true times, plus
+the wrappers' own cost (about a microsecond each).
+
+Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 512] [--batch 1] [--reads 30]
 """
 
 import argparse
-import cProfile
-import io
 import multiprocessing as mp
-import pstats
 import statistics
+import threading
 import time
 
 import numpy as np
 
-import kvxfer.agent.claims as claims_mod
-import kvxfer.agent.core as core
-import kvxfer.engine.paths.reading as reading
-from kvxfer import Agent, AgentConfig, KVSpec
+from kvxfer import Agent, AgentConfig, KVSpec, ReadRequest
 
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")
+
+# (module, class, method): the steps of a read, wrapped where they exist in this version
+STEPS = [
+    ("kvxfer.agent.core", "Agent", "read_many"),
+    ("kvxfer.agent.core", "Agent", "_run_lane"),
+    ("kvxfer.agent.reads", "ReadFlow", "_route"),
+    ("kvxfer.agent.reads", "ReadFlow", "_claim"),
+    ("kvxfer.agent.reads", "ReadFlow", "_launch_ipc"),
+    ("kvxfer.agent.reads", "ReadFlow", "_settle"),
+    ("kvxfer.agent.reads", "ReadFlow", "_post_direct_many"),
+    ("kvxfer.agent.claims", "Claims", "answers"),
+    ("kvxfer.engine.paths.kit", "PathKit", "launch_and_record"),
+    ("kvxfer.engine.transfers", "TransferEngine", "grant"),
+    ("kvxfer.engine.transfers", "TransferEngine", "attach"),
+    ("kvxfer.engine.handles", "TransferHandle", "_finish"),
+    ("kvxfer.engine.handles", "TransferHandle", "wait"),
+    ("kvxfer.agent.claims", "Claims", "send_many"),
+    ("kvxfer.engine.transfers", "TransferEngine", "reserve_many"),
+    ("kvxfer.gpu.ops", "PairKernel", "launch"),
+    ("kvxfer.engine.posted", "DirectJob", "__init__"),
+]
+
+EVENTS: list[tuple[float, str, str]] = []
+
+
+def _mark(label: str) -> None:
+    EVENTS.append((time.perf_counter(), threading.current_thread().name, label))
+
+
+def _wrap(module: str, cls: str, name: str) -> None:
+    import importlib
+
+    owner = getattr(importlib.import_module(module), cls, None)
+    fn = getattr(owner, name, None)
+    if fn is None:
+        return
+
+    def wrapper(*args, **kwargs):
+        _mark(f"{cls}.{name} >")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _mark(f"{cls}.{name} <")
+    setattr(owner, name, wrapper)
 
 
 def _cache(spec: KVSpec, device: str, seed: int):
@@ -36,113 +80,85 @@ def _cache(spec: KVSpec, device: str, seed: int):
             for s in shapes]
 
 
-def producer(spec, device, port, rids, ids, ready, stop) -> None:
+def producer(spec, device, port, holds, ready, stop) -> None:
     cache = _cache(spec, device, 1)
     with Agent("producer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=port)) as ag:
         ag.register(cache)
         ag.listen()
-        for rid in rids:
+        for rid, ids in holds:
             ag.hold(rid, ids)
         ready.set()
         stop.wait(600)
 
 
-SPANS: dict[str, list[float]] = {}
-
-
-def _timed(name: str, fn):
-    """``fn`` with each call's duration appended to ``SPANS[name]`` (no profiler: true times)."""
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            SPANS.setdefault(name, []).append(time.perf_counter() - t0)
-    return wrapper
+def _thread(name: str) -> str:
+    if name == "MainThread":
+        return "caller"
+    if name.startswith("kvxfer-peer"):
+        return "lane"
+    if name == "kvxfer-consumer":
+        return "progress"
+    return name[:12]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--reads", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per request")
+    ap.add_argument("--batch", type=int, default=1, help="requests per step (one read_many)")
+    ap.add_argument("--reads", type=int, default=30, help="timed steps")
     ap.add_argument("--port", type=int, default=5950)
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--profile", action="store_true", help="also cProfile the calls (a second run: it inflates times)")
-    ap.add_argument("--fine", action="store_true", help="also time the steps inside path choice and launch")
-    ap.add_argument("--gap-ms", type=float, default=0.0,
-                    help="pause between reads (the previous read's Done goes out in the background meanwhile)")
     args = ap.parse_args()
-    blocks = args.tokens // SHAPE["block_size"]
-    spec = KVSpec(**SHAPE, num_blocks=4 * blocks)
+    per = args.tokens // SHAPE["block_size"]
+    blocks = per * args.batch
+    spec = KVSpec(**SHAPE, num_blocks=2 * blocks)
     rng = np.random.default_rng(0)
-    src, dst = rng.permutation(4 * blocks)[:blocks], rng.permutation(4 * blocks)[:blocks]
+    src, dst = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
     warm = 3
-    rids = [f"r{i}" for i in range(args.reads + warm)]
+    steps = [[f"s{i}-r{j}" for j in range(args.batch)] for i in range(args.reads + warm)]
+    holds = [(rid, src[j * per:(j + 1) * per]) for step in steps for j, rid in enumerate(step)]
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=producer, args=(spec, args.device, args.port, rids, src, ready, stop), daemon=True)
+    proc = ctx.Process(target=producer, args=(spec, args.device, args.port, holds, ready, stop), daemon=True)
     proc.start()
     if not ready.wait(300):
         raise SystemExit("producer did not start")
     cache = _cache(spec, args.device, 2)
-    core.plan_read = _timed("plan_read (ids, path choice, tables)", core.plan_read)
-    reading.ReadRoute.start = _timed("ReadRoute.start (kernel launch / parts)", reading.ReadRoute.start)
-    claims_mod.Claims.send = _timed("claim sent", claims_mod.Claims.send)
-    claims_mod.Claims.answers = _timed("claim answers awaited (after start)", claims_mod.Claims.answers)
-    if args.fine:  # inside the steps above (their own spans include these)
-        import kvxfer.engine.paths.kit as kit_mod
-        import kvxfer.engine.transfers as transfers_mod
-
-        core.check_block_ids = _timed("  . id checks in Agent.read (each)", core.check_block_ids)
-        reading.direct_pairs = _timed("  . direct_pairs (IPC tables)", reading.direct_pairs)
-        kit_mod.PathKit.launch_and_record = _timed("  . launch_and_record (upload, launch, event)",
-                                                   kit_mod.PathKit.launch_and_record)
-        transfers_mod.TransferEngine.submit = _timed("  . engine submit", transfers_mod.TransferEngine.submit)
-        if args.device != "cpu":
-            import kvxfer.gpu.ops as ops
-
-            ops.PairKernel.launch = _timed("  . . PairKernel.launch", ops.PairKernel.launch)
-            ops.PairKernel._ids = _timed("  . . . id upload", ops.PairKernel._ids)
-    calls, waits, claims, modes = [], [], [], set()
-    prof = cProfile.Profile()
-    cfg = AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=args.port + 1)
-    with Agent("consumer", spec, cfg) as ag:
+    for step in STEPS:
+        _wrap(*step)
+    offsets: dict[tuple[str, str], list[float]] = {}
+    totals, modes = [], set()
+    remote = ("127.0.0.1", args.port)
+    with Agent("consumer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1",
+                                                      side_channel_port=args.port + 1)) as ag:
         ag.register(cache)
-        for i, rid in enumerate(rids):
-            if args.gap_ms:
-                time.sleep(args.gap_ms / 1e3)
+        for i, step in enumerate(steps):
+            EVENTS.clear()
             t0 = time.perf_counter()
-            if i == warm:
-                SPANS.clear()
-            if i >= warm and args.profile:
-                prof.enable()
-            handle = ag.read(("127.0.0.1", args.port), dst, src, rid)
-            if i >= warm and args.profile:
-                prof.disable()
-            t1 = time.perf_counter()
-            stats = handle.wait(60)
-            t2 = time.perf_counter()
-            if i >= warm:
-                calls.append(t1 - t0)
-                waits.append(t2 - t1)
-                claims.append(stats.claim_seconds)
-                modes.add(stats.mode)
+            handles = ag.read_many([ReadRequest(remote, dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per],
+                                                rid, timeout=60) for j, rid in enumerate(step)])
+            _mark("read_many returned")
+            stats = [h.wait(60) for h in handles]
+            _mark("all waits returned")
+            if i < warm:
+                continue
+            totals.append(time.perf_counter() - t0)
+            modes.update(s.mode for s in stats)
+            seen = set()
+            for t, thread, label in EVENTS:
+                key = (label, _thread(thread))
+                if key not in seen:  # each step's first occurrence
+                    seen.add(key)
+                    offsets.setdefault(key, []).append(t - t0)
     stop.set()
     proc.join(30)
-    med = statistics.median
     mib = spec.block_bytes * 2 * spec.num_layers * blocks / 2**20
-    print(f"{args.device}, {args.tokens} tokens ({mib:.0f} MiB), path {sorted(modes)}, {len(calls)} reads:")
-    print(f"  Agent.read call  median {med(calls) * 1e3:.3f} ms, of which:")
-    for name, spans in SPANS.items():
-        print(f"    {name:42s} median {med(spans) * 1e3:.3f} ms")
-    print(f"  wait after call  median {med(waits) * 1e3:.3f} ms")
-    print(f"  read + wait      median {med(c + w for c, w in zip(calls, waits)) * 1e3:.3f} ms")
-    if args.profile:
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
-        print("cProfile of the Agent.read calls (own time; profiling inflates the absolute times):")
-        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+    med = statistics.median
+    print(f"{args.device}: {args.batch} x {args.tokens} tokens ({mib:.0f} MiB), path {sorted(modes)}, "
+          f"{len(totals)} steps; median {med(totals) * 1e3:.3f} ms from the call to every wait returned")
+    print(f"  {'us after the call':>18}  {'thread':9} step (> begins, < ends; first occurrence per step)")
+    for (label, thread), times in sorted(offsets.items(), key=lambda kv: med(kv[1])):
+        print(f"  {med(times) * 1e6:18.0f}  {thread:9} {label}  (seen in {len(times)})")
 
 
 if __name__ == "__main__":

@@ -352,7 +352,21 @@ class Agent:
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
         for remote, reads in by_peer.items():
+            # Same-host kernel reads to a known producer are routed here and launched right after
+            # they are queued, while the lane sends their claims (no peer I/O on this thread);
+            # the gate keeps the lane from launching them too.
+            gate = threading.Lock()
+            inline = self._reads.route_inline(remote, reads)
+            if inline:
+                gate.acquire()
+            for read in reads:
+                read.gate = gate
             self._lanes.put_many(remote, reads)
+            if inline:
+                try:
+                    self._reads.launch_inline(reads)
+                finally:
+                    gate.release()
         self._wake.set()
         return handles
 

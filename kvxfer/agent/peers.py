@@ -173,6 +173,12 @@ class PeerDirectory:
             self._forget(old, replaced_by=new)
         return new
 
+    def cached(self, host: str, port: int) -> PeerLink | None:
+        """The link to host:port if one is handshaken and healthy, else None; never does I/O."""
+        with self._lock:
+            link = self._links.get((host, int(port)))
+        return link if link is not None and link.healthy() else None
+
     def call(self, host: str, port: int, op: Callable[[PeerLink], T], *, engine_id: str | None = None) -> T:
         """``op(link)`` on the link to host:port; when that loses the peer (``PeerLostError``: the
         session is gone, the peer restarted or dropped us), drop the link, handshake again and

@@ -7,29 +7,35 @@ takes everything queued for the producer at once:
 
 1. the links to the producer's ranks (the handshake, for a new peer);
 2. each request's path and ids checked against the producer's spec (``plan_read``);
-3. one claim message per rank for every request (``Claims.send_many``);
-4. while the claims travel, every IPC request of the batch starts, in one kernel launch per
-   rank; staged requests send their pack requests right behind the claim;
+3. every IPC request of the batch starts, in one kernel launch per rank;
+4. one claim message per rank for every request (``Claims.send_many``); staged requests send
+   their pack requests right behind it;
 5. the answers: a granted IPC request may now succeed once its kernel passed; a granted direct
    request is posted now (one NIXL post each), a staged one starts its pipeline; a refused one
    fails with ``LeaseExpiredError``, and an IPC request's destination blocks stay in flight
    until its kernel has passed.
 
-Why an IPC move may start before its grant: the producer places its hold before it publishes
-the ids, and frees a request's blocks only after its hold ended; a grant says the hold had not
-ended when the claim arrived, and the claim left before the kernel started, so every byte moved
-between the claim and the grant came from held blocks. A request succeeds only once granted
-and complete within its window (``TransferEngine``), so a read never reports bytes from blocks
-the producer freed. A producer that releases or expires the hold while the claim travels
-refuses it: that read fails, whatever it moved. NIXL moves wait for the grant: over TCP they
-need the producer's own progress, so a producer frozen at claim time would leave them pending,
-and the read's blocks quarantined, where waiting costs one round trip and leaves nothing
-behind.
+When every rank's link is already handshaken, steps 2 and 3 run on the caller's thread inside
+``read_many`` (``start_inline``: no peer I/O, so the call still cannot block on a peer), and the
+lane takes over at step 4: the kernel then runs while the lane wakes up and the claim travels.
+
+Why an IPC move may start before its grant, even before its claim leaves: the producer places
+its hold before it publishes the ids, and frees a request's blocks only after its hold ended; a
+grant says the hold (of exactly these ids) had not ended when the claim arrived, so it covered
+the whole time from the ids' publication to the grant, and every byte the kernel moved before
+the grant came from held blocks. A request succeeds only once granted and complete within its
+window (``TransferEngine``), so a read never reports bytes from blocks the producer freed. A
+producer that releases or expires the hold first refuses the claim: that read fails, whatever it
+moved. NIXL moves wait for the grant: over TCP they need the producer's own progress, so a
+producer frozen at claim time would leave them pending, and the read's blocks quarantined,
+where waiting costs one round trip and leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -50,7 +56,7 @@ if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
     from kvxfer.agent.peers import PeerLink
 
-__all__ = ["PendingRead", "ReadFlow", "links_for", "rank_port"]
+__all__ = ["PendingRead", "ReadFlow", "links_for", "rank_port", "ready_links"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -73,6 +79,8 @@ class PendingRead:
     sent: list | None = None              # the claim's pending answers (``Claims.send_many``)
     sent_error: KvxferError | None = None  # why the claim could not be sent
     claim_started: float = 0.0
+    launched: object = None                # the route its IPC kernel was launched for
+    gate: threading.Lock | None = None     # held while its route and launch change (caller or lane)
 
     @property
     def live(self) -> bool:
@@ -98,6 +106,37 @@ def links_for(peers, spec, remote: tuple[str, int], timeout: float | None = None
     return [link(r) for r in ranks if r in read], [link(r) for r in ranks if r not in read]
 
 
+def ready_links(peers, spec, remote: tuple[str, int]):
+    """``links_for`` without any I/O: None unless every rank it needs is handshaken and healthy."""
+    host, port = remote
+    head = peers.cached(host, port)
+    if head is None:
+        return None
+    tp = head.spec.tp_size
+    read = set(peer_ranks(spec, tp))
+    links: tuple[list, list] = ([], [])
+    for rank in notify_ranks(spec, tp):
+        link = head if rank == head.spec.tp_rank else peers.cached(host, rank_port(head, rank))
+        if link is None:
+            return None
+        links[0 if rank in read else 1].append(link)
+    return links
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def _gates(reads: list[PendingRead]):
+    """Hold the gates of ``reads`` (one per ``read_many`` call and producer), in one order."""
+    gates = {id(r.gate): r.gate for r in reads if r.gate is not None}
+    with contextlib.ExitStack() as stack:
+        for key in sorted(gates):
+            stack.enter_context(gates[key])
+        yield
+
+
 class _Joined:
     """Several requests' descriptor rows to one producer rank, as one plan (``DirectJob`` posts it)."""
 
@@ -116,6 +155,35 @@ class ReadFlow:
         self._agent = agent
 
     # ---- the lane's batch ---------------------------------------------------------
+    def route_inline(self, remote: tuple[str, int], reads: list[PendingRead]) -> bool:
+        """Step 2 on the caller's thread when every link is ready and the same-host kernel serves
+        the reads (see the module doc); True when it did (then ``launch_inline`` follows, while
+        the lane sends the claims). Never blocks on a peer."""
+        agent = self._agent
+        ready = ready_links(agent._peers, agent.spec, remote)
+        # Only where the kernel serves the reads: other paths start after the grant anyway, and
+        # routing them (descriptor tables) here would only lengthen the call.
+        if ready is None or agent.config.transfer_path not in ("auto", "ipc") or not ready[0] \
+                or any(agent._kit.ipc_why(link) is not None for link in ready[0]):
+            return False
+        try:
+            for r in reads:
+                if r.live:
+                    self._route(r, ready[0])
+        except Exception as exc:  # noqa: BLE001 - fail what it left; the lane skips failed reads
+            log.exception("kvxfer: routing reads to %s:%d", *remote)
+            self.crashed(reads, exc)
+        return True
+
+    def launch_inline(self, reads: list[PendingRead]) -> None:
+        """Step 3 on the caller's thread, under the reads' gate (held by the caller)."""
+        try:
+            self._launch_ipc([r for r in reads if r.live and r.route is not None
+                              and r.route.mode is TransferPath.IPC and not r.launched])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("kvxfer: launching reads")
+            self.crashed(reads, exc)
+
     def run(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
         """Carry out ``reads`` (all to ``remote``); every one ends on its handle, typed."""
         pending = [r for r in reads if r.live]
@@ -128,9 +196,15 @@ class ReadFlow:
             except KvxferError as exc:
                 self._fail_all(pending, exc)
                 return
-            routed = [r for r in pending if self._route(r, links)]
+            stale = [r for r in pending if r.route is not None and not _same(r.route.links, links)]
+            if stale:  # routed on links replaced since: again (a kernel is launched again below)
+                with _gates(stale):
+                    for r in stale:
+                        r.route = None
+            routed = [r for r in pending if r.route is not None or self._route(r, links)]
             if not routed:
                 return
+            # The claims go out now: the caller's thread may still be launching these reads.
             lost = self._claim(routed, links + notify_only)
             if lost and attempt == 1:
                 for link in links + notify_only:
@@ -138,8 +212,13 @@ class ReadFlow:
             elif lost:
                 for r in lost:
                     self._fail(r, r.sent_error)
-            self._start(r for r in routed if r not in lost)
-            self._settle([r for r in routed if r not in lost], links)
+            sent = [r for r in routed if r not in lost]
+            with _gates(sent):  # the caller's launch, if any, is over
+                # a kernel launched again on fresh links runs after the first one (one stream)
+                self._launch_ipc([r for r in sent if r.route.mode is TransferPath.IPC
+                                  and r.launched is not r.route])
+            self._send_packs(sent)
+            self._settle(sent, links)
             pending = [r for r in lost if r.live] if attempt == 1 else []
 
     def crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
@@ -163,7 +242,8 @@ class ReadFlow:
 
     def _claim(self, reads: list[PendingRead], links: list) -> list[PendingRead]:
         """Send every read's claim (one message per rank); returns the reads whose claim could not
-        even be sent because the peer was lost (nothing of theirs started: they may retry)."""
+        even be sent because the peer was lost (they may retry: a kernel already launched is
+        launched again on the fresh links, after the first on the same stream)."""
         claims = self._agent._claims
         try:
             wait = self._time_left(reads)
@@ -184,16 +264,12 @@ class ReadFlow:
                 lost.append(r)
         return lost
 
-    def _start(self, reads) -> None:
-        """Start what may move before the grant: IPC (one launch per rank for the batch); send a
-        lone staged read's pack requests behind its claim."""
+    def _send_packs(self, reads: list[PendingRead]) -> None:
+        """Send a lone staged read's pack requests right behind its claim (several staged reads
+        of a batch run one after another, see ``_start_staged``: their packs go then)."""
         agent = self._agent
-        reads = list(reads)
-        ipc = [r for r in reads if r.route.mode is TransferPath.IPC]
-        if ipc:
-            self._launch_ipc(ipc)
         staged = [r for r in reads if r.route.mode is TransferPath.STAGED and r.live]
-        if len(staged) == 1:  # several run one after another (see ``_start_staged``): packs go then
+        if len(staged) == 1:
             r = staged[0]
             try:
                 r.route.send_packs(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
@@ -202,6 +278,8 @@ class ReadFlow:
 
     def _launch_ipc(self, reads: list[PendingRead]) -> None:
         """One pair-copy launch per producer rank for every IPC read of the batch, one event."""
+        if not reads:
+            return
         agent, engine = self._agent, self._agent._engine
         view = agent._require_cache()
         with engine.posting([r.req for r in reads]) as live_reqs:
@@ -227,6 +305,7 @@ class ReadFlow:
                          for link, c in zip(links, copies)]
                 for link, part in zip(links, parts):
                     part.on_done = partial(agent._done.send, link, r.request_id)
+                r.launched = r.route
                 self._attach(r, parts, started=True)
 
     def _post_direct_many(self, reads: list[PendingRead]) -> None:
@@ -305,16 +384,17 @@ class ReadFlow:
         for r in reads:
             if r.sent is None:  # failed before its claim went out
                 continue
+            staged = r.route is not None and r.route.mode is TransferPath.STAGED
             try:
                 claims.answers(r.request_id, r.sent)
             except KvxferError as exc:
-                if r.route.mode is TransferPath.STAGED:
+                if staged:
                     r.route.drop_packs(agent._kit)
                 self._fail(r, exc)
                 continue
             claimed = time.perf_counter() - r.claim_started
-            if not r.live:  # aborted, or its deadline passed, meanwhile: the grant is not wanted
-                if r.route.mode is TransferPath.STAGED:
+            if not r.live:  # failed (routing, abort, deadline) meanwhile: the grant is not wanted
+                if staged:
                     r.route.drop_packs(agent._kit)
                 claims.give_back(r.request_id)
                 continue

@@ -14,9 +14,9 @@ from kvxfer.errors import KvxferError, WaitTimeout
 
 __all__ = ["TransferHandle", "TransferStats"]
 
-# How long ``wait`` polls the request itself before it sleeps on the engine's progress thread:
-# long enough to cover a small request's copy, short enough that a long transfer's waiter
-# does not take a core from the threads moving it.
+# How long ``wait`` polls the request itself, once it is posted and granted, before it sleeps on
+# the engine's progress thread: long enough to cover a small request's copy, short enough that a
+# long transfer's waiter does not take a core from the threads moving it.
 SPIN_SECONDS = 0.002
 
 log = logging.getLogger("kvxfer")
@@ -83,6 +83,9 @@ class TransferHandle:
         self._stats: TransferStats | None = None
         self._lock = threading.Lock()
         self._callbacks: list = []
+        # ``_nudge`` wakes waiters when the request may have become pollable (posted, granted)
+        self._moved = threading.Condition(threading.Lock())
+        self._generation = 0
 
     # ---- engine side -----------------------------------------------------------
     def _finish(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> bool:
@@ -97,9 +100,16 @@ class TransferHandle:
             self._poke = None
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
+        self._nudge()
         for cb in callbacks:
             self._run_callback(cb)
         return True
+
+    def _nudge(self) -> None:
+        """The engine moved the request on (posted, granted or ended): waiters look again."""
+        with self._moved:
+            self._generation += 1
+            self._moved.notify_all()
 
     def _run_callback(self, fn) -> None:
         """Run one done-callback; an error in it is the callback's bug, not the transfer's: log it."""
@@ -142,22 +152,32 @@ class TransferHandle:
             TransferError (a subclass): the transfer failed; ``TransferTimeoutError`` when its
                 own deadline passed. ``ClosedError`` when the agent was closed under it.
         """
-        left = timeout
-        poke = self._poke
-        if poke is not None and not self._event.is_set():
-            # Poll the request here for a moment: a small request is usually complete by now,
-            # and completing it on this thread saves waking it from the progress thread.
-            started = time.monotonic()
-            until = started + (SPIN_SECONDS if timeout is None else min(SPIN_SECONDS, max(timeout, 0.0)))
-            while True:
-                # poke() is False while the request is not yet posted or granted: its bytes
-                # cannot be in, and spinning would only take the interpreter from the thread
-                # claiming and launching it; then sleep on the event instead.
-                if poke() is False or self._event.is_set() or time.monotonic() >= until:
-                    break
-                time.sleep(0)
-            if timeout is not None:
-                left = max(0.0, timeout - (time.monotonic() - started))
+        end = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        spin_until = None
+        while not self._event.is_set():
+            poke = self._poke
+            if poke is None:
+                break
+            generation = self._generation
+            # poke() is False while the request is not yet posted or granted: its bytes cannot
+            # count yet, and spinning would only take the interpreter from the thread claiming
+            # it; sleep until the engine moves it on. Once it may complete, poll it here for a
+            # moment: completing it on this thread saves waking this one from another.
+            pollable = poke()
+            now = time.monotonic()
+            if self._event.is_set() or (end is not None and now >= end):
+                break
+            if pollable is False:
+                with self._moved:
+                    if self._generation == generation and not self._event.is_set():
+                        self._moved.wait(None if end is None else end - now)
+                continue
+            if spin_until is None:
+                spin_until = now + SPIN_SECONDS
+            if now >= spin_until:
+                break
+            time.sleep(0)
+        left = None if end is None else max(0.0, end - time.monotonic())
         if not self._event.wait(left):
             raise WaitTimeout(f"request {self.request_id!r} not complete within {timeout} s (only the wait ran "
                               "out: the transfer goes on until its own deadline)",

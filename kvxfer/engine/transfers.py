@@ -265,6 +265,7 @@ class TransferEngine:
             req.posted = True
             if not req.parts and req.error is None and req.granted:
                 self._succeed(req)
+        req.handle._nudge()  # a waiter may poll it now
         return True
 
     def grant(self, req: "_Request", claim_seconds: float = 0.0) -> None:
@@ -275,6 +276,7 @@ class TransferEngine:
             with req.lock:
                 if req.error is None:
                     self._succeed(req)
+        req.handle._nudge()  # a waiter may poll it now
 
     @contextlib.contextmanager
     def posting(self, reqs: list["_Request"]):
