@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvxfer.errors import KvxferError, TransferTimeoutError
+from kvxfer.errors import KvxferError, TransferFailedError, TransferTimeoutError
 from kvxfer.types import ReleaseReason, RequestState
 
 __all__ = ["AgentStats", "Finished", "Reports", "STATUS_MEMORY"]
@@ -169,10 +169,10 @@ class Reports:
             counts[producer] = counts.get(producer, 0) + 1
             self._check_complete(request_id)
 
-    def writes_done(self, request_id: str, producer: str, writes: int, aux: bytes) -> str | None:
+    def writes_done(self, request_id: str, producer: str, writes: int, aux: bytes, error: str = "") -> str | None:
         """A producer's ``WritesDone``: it made ``writes`` writes of ``request_id`` here, and ``aux``
-        comes with them. Returns None when accepted, else why it is refused (a request this agent
-        does not expect, or aborted)."""
+        comes with them (``error``: it gave the request up; the request fails). Returns None when
+        accepted, else why it is refused (a request this agent does not expect, or aborted)."""
         with self._lock:
             if request_id in self._cancelled:
                 return f"request {request_id!r} was aborted by this consumer"
@@ -180,6 +180,11 @@ class Reports:
                 state = self._ended.get(request_id)
                 return (f"request {request_id!r} is not expected here"
                         + (f" (it is {state.value})" if state is not None else ""))
+            if error:
+                del self._expected_writes[request_id]
+                self._fail_push(request_id, TransferFailedError(
+                    f"producer {producer} gave request {request_id!r} up: {error}"))
+                return None
             self._finals.setdefault(request_id, {})[producer] = (int(writes), bytes(aux))
             self._check_complete(request_id)
             return None

@@ -147,7 +147,8 @@ class ProducerService:
         if isinstance(message, Announce):
             return self._announce(message)
         if isinstance(message, WritesDone):
-            why = self._agent._reports.writes_done(message.request_id, message.engine_id, message.writes, message.aux)
+            why = self._agent._reports.writes_done(message.request_id, message.engine_id, message.writes, message.aux,
+                                                   error=message.error)
             return Ack() if why is None else Refuse(message.request_id, why)
         if isinstance(message, PackRequest):
             packer = self._agent._packer

@@ -96,9 +96,20 @@ class WriteStream:
         self._maybe_end()
         return self.handle
 
-    def abort(self, error: KvxferError) -> None:
-        """Fail the stream now (chunks already posted still end on their own handles)."""
+    def abort(self, error: KvxferError, *, tell: bool = True) -> None:
+        """Fail the stream now (chunks already posted still end on their own handles) and, with
+        ``tell``, tell the consumer (a ``WritesDone`` naming ``error``): its request fails at once
+        instead of waiting for its deadline. Idempotent."""
+        with self._lock:
+            ending, self._ending = self._ending, True
         self.handle._finish(error=error)
+        if tell and not ending:
+            reason = str(error)[:4000] or "aborted"
+            message = WritesDone(self.request_id, self._agent.engine_id, len(self._chunks), b"", error=reason)
+            try:
+                self._agent._lanes.put(self.remote, _WritesDoneJob(self, message))
+            except RuntimeError:
+                pass
 
     def done(self) -> bool:
         return self.handle.done()

@@ -368,6 +368,7 @@ class WritesDone(_Msg, frozen=True):
     engine_id: Id
     writes: NonNeg
     aux: Annotated[bytes, Meta(max_length=MAX_PAYLOAD)] = b""
+    error: Text = ""   # not empty: the producer gave the request up (the consumer fails it with this reason)
 
 
 Message = Union[

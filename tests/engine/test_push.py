@@ -137,3 +137,16 @@ def test_bad_announce_and_stream_arguments_raise_at_once_naming_the_value(harnes
         stream.write([1], [2])
     with pytest.raises(ConfigError, match="already finished"):
         stream.finish()
+
+
+def test_a_producer_that_gives_up_fails_the_consumers_request_at_once_with_its_reason(harness):
+    cons, _ = harness.agent(spec(), seed=2)
+    prod, _ = harness.agent(spec(), seed=1)
+    cons.announce(prod.address, "r", [1], timeout=30)
+    ann = _announced(prod, "r")
+    stream = prod.open_writes(ann.remote, "r")
+    stream.abort(TransferFailedError("prefill aborted the request"))
+    assert wait_for(lambda: cons.status("r") is RequestState.FAILED)
+    error = cons.finished().failed["r"]
+    assert isinstance(error, TransferFailedError) and "prefill aborted the request" in str(error)
+    assert isinstance(stream.exception(), TransferFailedError)
