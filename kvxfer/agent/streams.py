@@ -47,6 +47,7 @@ class WriteStream:
         self._lock = threading.Lock()
         self._chunks: list[TransferHandle] = []
         self._bytes = 0
+        self._completed = 0                  # chunks that completed without an error
         self._aux: bytes | None = None       # set by finish
         self._ending = False                 # WritesDone queued
         self._started = time.perf_counter()
@@ -118,22 +119,27 @@ class WriteStream:
         return self.handle.exception()
 
     # ---- internals -----------------------------------------------------------------
-    def _on_chunk(self, chunk: TransferHandle) -> None:  # a done-callback: any thread
+    def _on_chunk(self, chunk: TransferHandle) -> None:  # a done-callback: any thread, maybe inside a poll
         error = chunk.exception()
         if error is not None:
             self.handle._finish(error=error)
             return
         try:
-            self._bytes += chunk.wait(0).num_bytes
+            moved = chunk.wait(0).num_bytes
         except KvxferError:
-            pass
+            moved = 0
+        with self._lock:
+            self._bytes += moved
+            self._completed += 1
         self._maybe_end()
 
     def _maybe_end(self) -> None:
+        # Counts only, never handle.done(): done() polls the engine, which may complete a chunk
+        # and run _on_chunk on this very thread (a callback re-entering here under the lock).
         with self._lock:
             if self._ending or self._aux is None or self.handle.done():
                 return
-            if not all(h.done() and h.exception() is None for h in self._chunks):
+            if self._completed < len(self._chunks):
                 return
             self._ending = True
         message = WritesDone(self.request_id, self._agent.engine_id, len(self._chunks), self._aux)

@@ -150,3 +150,20 @@ def test_a_producer_that_gives_up_fails_the_consumers_request_at_once_with_its_r
     error = cons.finished().failed["r"]
     assert isinstance(error, TransferFailedError) and "prefill aborted the request" in str(error)
     assert isinstance(stream.exception(), TransferFailedError)
+
+
+def test_many_chunks_completing_inside_one_another_s_poll_end_the_stream_once(harness):
+    """Regression: a chunk completing inside the poll of another chunk's completion (done-callbacks
+    on the same thread) must not deadlock the stream's end (it did with SGLang's chunked prefill)."""
+    s = spec(num_blocks=40)
+    cons, ccache = harness.agent(s, seed=2)
+    prod, pcache = harness.agent(s, seed=1)
+    cons.announce(prod.address, "r", list(range(32)))
+    ann = _announced(prod, "r")
+    stream = prod.open_writes(ann.remote, "r")
+    for i in range(16):
+        stream.write([2 * i, 2 * i + 1], ann.block_ids[2 * i:2 * i + 2])
+    stream.finish(b"aux").wait(10)
+    assert wait_for(lambda: cons.status("r") is RequestState.RECEIVED)
+    for layer in range(s.num_layers):
+        np.testing.assert_array_equal(ccache[layer][:, :32], pcache[layer][:, :32])
