@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow lint bench venv clean
+.PHONY: demo test test-slow test-sglang sglang-venv lint bench venv clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -17,6 +17,14 @@ test: venv
 test-slow: venv
 	KVXFER_TEST_MARKS=slow bash scripts/test.sh
 
+# SGLang prefill -> decode through kvxfer (adapters/sglang): builds .venv-sglang (~7 GB, once), then
+# runs the end-to-end test with SGLang's own mini load balancer (docs/engines.md, "SGLang").
+sglang-venv:
+	@bash scripts/bootstrap_sglang.sh
+
+test-sglang: sglang-venv
+	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider -m sglang tests/sglang
+
 lint: venv
 	$(BIN)/lint-imports
 
@@ -24,4 +32,4 @@ bench: venv
 	$(BIN)/kvxfer bench --preset llama-3-8b --device cpu
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis

@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The Agent pulls in the side channel (zmq) and the protocol; load it on first use so
     # `import kvxfer` stays light for tools that only need specs, errors or the proxy.
-    if name in ("Agent", "AgentStats", "Finished"):
+    if name in ("Agent", "AgentStats", "Announcement", "Finished", "WriteStream"):
         from kvxfer import agent
 
         return getattr(agent, name)
@@ -52,6 +52,7 @@ __all__ = [
     "AgentConfig",
     "AgentStats",
     "AlreadyHeldError",
+    "Announcement",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
@@ -84,5 +85,6 @@ __all__ = [
     "TransferStats",
     "TransferTimeoutError",
     "WaitTimeout",
+    "WriteStream",
     "__version__",
 ]

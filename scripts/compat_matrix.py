@@ -117,6 +117,14 @@ def render(rows: list[Row]) -> str:
         "docs/engines.md). vLLM CPU's `vec`/`vec16` cache (K transposed, `k_dim_chunk=1`) converts to",
         "and from every layout; the translator's side is property-tested in `tests/layout/test_dim_major_k.py`.",
         "",
+        "Not supported, SGLang against the other engines: SGLang -> vLLM, vLLM -> SGLang, SGLang ->",
+        "transformers and transformers -> SGLang. `kvxfer proxy` speaks vLLM's pull protocol",
+        "(`kv_transfer_params`: prefill holds, decode reads), SGLang's router the bootstrap-room push",
+        "protocol (decode announces, prefill writes); neither side's engine answers the other's, and",
+        "kvxfer's SGLang backend describes SGLang's pages as opaque bytes per rank (no head-level",
+        "layout to translate). SGLang with prefill and decode attention TP that differ (MHA) fails each",
+        "request typed (`kvxfer backend: prefill attention TP 1 and decode attention TP 2 differ`).",
+        "",
     ]
     return "\n".join(out)
 

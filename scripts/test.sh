@@ -7,7 +7,8 @@ echo "== import-linter (layer contracts)"
 "$BIN/lint-imports"
 echo "== pytest"
 # 'slow' (real vLLM with TP=2 prefill, 10-15 min on 2 cores) runs with `make test-slow`.
-marks="not slow"
+# 'sglang' (real SGLang servers, their own venv) runs with `make test-sglang`.
+marks="not slow and not sglang"
 if ! "$BIN/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   # The GPU group needs CUDA hardware; on a GPU host it runs with: pytest -m gpu tests/gpu
   echo "   (no CUDA GPU here: the GPU test group, marked 'gpu', is not selected)"

@@ -20,7 +20,10 @@ import numpy as np
 
 from kvxfer.engine.paths.kit import PathKit
 from kvxfer.engine.paths.packing import PackServer
+from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
 from kvxfer.agent.claims import Claims
+from kvxfer.agent.jobs import LaneJob
+from kvxfer.agent.streams import WriteStream
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
@@ -95,7 +98,8 @@ class Agent:
         self._registry = MemoryRegistry(backend)
         self._view: CacheView | None = None
         self._engine: TransferEngine | None = None
-        self._reports = Reports()
+        self._reports = Reports(clock=self._clock.now)
+        self._announced = AnnouncementBook(self.config.lease_timeout, clock=self._clock.now)
         self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release)
         self._service = ProducerService(self)
         self._transport: Transport = transport or ZmqTransport()
@@ -425,14 +429,18 @@ class Agent:
         if writes:
             run_writes(self, remote, writes)
         for item in items:
-            if isinstance(item, _PendingAbort):
+            if isinstance(item, LaneJob):
+                item.run(self)
+            elif isinstance(item, _PendingAbort):
                 outcome = self._tell_abort(item.request_id, item.remote, item.links)
                 log.debug("abort of %r: %s", item.request_id, outcome.value)
 
     def _lane_crashed(self, items: list, exc: BaseException) -> None:
         error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"internal error: {exc!r}")
         for item in items:
-            if not isinstance(item, _PendingAbort):
+            if isinstance(item, LaneJob):
+                item.fail(error)
+            elif not isinstance(item, _PendingAbort):
                 self._engine.fail(item.req, error)
         self._wake.set()
 
@@ -453,6 +461,58 @@ class Agent:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1; got {value!r}")
         self._reports.expect_writes(request_id, producers, writes)
+
+    # ---- push, consumer first (kvxfer/agent/announce.py, streams.py) -------------------
+    def announce(self, remote: tuple[str, int], request_id: str, block_ids, *, payload: bytes = b"",
+                 producers: int = 1, timeout: float | None = None) -> None:
+        """Consumer first: tell the producer rank at ``remote`` (its own side-channel address) to
+        push ``request_id`` into this rank's ``block_ids``, with ``payload`` (the engine's bytes,
+        at most ``kvxfer.protocol.MAX_PAYLOAD``) for it. The blocks belong to the request from now
+        until it is received, failed or aborted.
+
+        ``request_id`` is received (``finished().received``, ``status``) once each of
+        ``producers`` producer ranks has finished its write stream into this rank (every chunk
+        landed and its ``WritesDone`` arrived); ``take_aux`` then gives their aux payloads. It
+        fails (``finished().failed``, status FAILED) when the producer cannot be reached or
+        refuses (PeerLostError, TransferFailedError), or when ``timeout`` (default
+        ``config.transfer_timeout``) passes first (TransferTimeoutError). Needs ``listen()``:
+        producers write to this rank's listener. Returns at once; the round trip runs on the
+        producer's lane. Announcing to several producer ranks: one call each, same ``producers``.
+
+        Raises (at once): BlockIdError, ConfigError (``producers``, ``timeout``, ``payload``, no
+        listener), ClosedError.
+        """
+        start_announce(self, remote, request_id, block_ids, payload, producers, timeout)
+
+    def announced(self, request_id: str) -> tuple[Announcement, ...]:
+        """Producer: the consumers' announcements of ``request_id`` (``Announcement``: consumer
+        address, engine, destination blocks, payload), in arrival order; empty until one arrives,
+        and again after a consumer's ``abort`` (then ``status`` says ABORTED) or ``forget_announced``.
+        Kept at most ``config.lease_timeout`` seconds. Does not block; drains nothing."""
+        return self._announced.get(request_id)
+
+    def forget_announced(self, request_id: str) -> None:
+        """Producer: drop the announcements of ``request_id`` (it is pushed, or given up)."""
+        self._announced.forget(request_id)
+
+    def open_writes(self, remote: tuple[str, int], request_id: str, *,
+                    timeout: float | None = None) -> WriteStream:
+        """Producer: a ``WriteStream`` pushing ``request_id`` in chunks into the consumer rank at
+        ``remote`` (an ``Announcement.remote``): ``write`` each chunk, ``finish(aux)`` once, and
+        ``stream.handle`` completes once (every chunk landed and the consumer took the aux).
+        ``timeout`` (default ``config.transfer_timeout``) bounds each chunk's write. Does not block.
+
+        Raises: ConfigError (``remote``), ClosedError, RegistrationError.
+        """
+        self._check_open()
+        self._require_cache()
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        return WriteStream(self, _address(remote), request_id, timeout)
+
+    def take_aux(self, request_id: str) -> dict[str, bytes]:
+        """Consumer: the aux payloads that came with a received push of ``request_id``, by producer
+        engine id (empty when none). Taken once; the most recent 1,024 wait to be taken."""
+        return self._reports.take_aux(request_id)
 
     def abort(self, request_id: str, remote: tuple[str, int] | None = None, *,
               wait: bool = True) -> AbortOutcome | None:
@@ -475,6 +535,7 @@ class Agent:
         if remote is None:  # a read not yet claimed (still on its lane): its producer is known
             remote = self._read_remotes.get(request_id)
         links = self._claims.pop(request_id)  # before cancelling: the handle's callback drops it
+        self._reports.cancel(request_id)      # a push (announce) of it: late writes are dropped
         if self._engine is not None:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
         if not wait:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, TransferFailedError, TransferTimeoutError
 from kvxfer.types import ReleaseReason, RequestState
 
 __all__ = ["AgentStats", "Finished", "Reports", "STATUS_MEMORY"]
@@ -78,18 +79,26 @@ class AgentStats:
 #: How many ended requests ``Agent.status`` remembers (the oldest is forgotten first).
 STATUS_MEMORY = 10_000
 
+#: How many received requests' aux payloads wait for ``Agent.take_aux`` (the oldest is dropped first).
+_AUX_MEMORY = 1_024
+
 
 class Reports:
     """Thread-safe accumulation of ``Finished`` sets, drained by the user, and the last state of
     the most recent ``STATUS_MEMORY`` ended requests, which nothing drains (``Agent.status``)."""
 
-    def __init__(self, memory: int = STATUS_MEMORY) -> None:
+    def __init__(self, memory: int = STATUS_MEMORY, clock=time.monotonic) -> None:
         self._lock = threading.Lock()
         self._current = Finished()
-        self._expected_writes: dict[str, tuple[int, int]] = {}  # request -> (producers, writes each)
+        # request -> (producers, writes each or None: as each producer's WritesDone says, deadline)
+        self._expected_writes: dict[str, tuple[int, int | None, float | None]] = {}
         self._writes: dict[str, dict[str, int]] = {}             # request -> producer engine -> writes
+        self._finals: dict[str, dict[str, tuple[int, bytes]]] = {}  # request -> producer -> (writes, aux)
+        self._aux: OrderedDict[str, dict[str, bytes]] = OrderedDict()  # received, not yet taken
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # consumer aborts: late arrivals dropped
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._memory = memory
+        self._clock = clock
 
     def _remember(self, request_id: str, state: RequestState) -> None:
         """Record an ended request's state (caller holds the lock); forget the oldest past the cap."""
@@ -101,6 +110,7 @@ class Reports:
     def ended(self, request_id: str) -> RequestState | None:
         """The last state recorded for an ended request, or None (never ended here, or forgotten)."""
         with self._lock:
+            self._sweep()
             return self._ended.get(request_id)
 
     def forget(self, request_id: str) -> None:
@@ -134,29 +144,118 @@ class Reports:
             self._current.reclaimed.add(request_id)
             self._remember(request_id, RequestState.RECLAIMED)
 
-    def expect_writes(self, request_id: str, producers: int = 1, writes: int = 1) -> None:
+    def expect_writes(self, request_id: str, producers: int = 1, writes: int | None = 1,
+                      deadline: float | None = None) -> None:
         """``request_id`` is received once each of ``producers`` producer engines has completed
-        ``writes`` writes into this agent (see ``Agent.expect_writes``)."""
+        ``writes`` writes into this agent (see ``Agent.expect_writes``); ``writes=None``: as many as
+        each producer's ``WritesDone`` says, and only once that arrived (the push model). Past
+        ``deadline`` (this clock) an incomplete request fails with ``TransferTimeoutError``."""
         with self._lock:
-            self._expected_writes[request_id] = (producers, writes)
+            self._expected_writes[request_id] = (producers, writes, deadline)
+            self._writes.pop(request_id, None)
+            self._finals.pop(request_id, None)
+            self._aux.pop(request_id, None)
+            self._cancelled.pop(request_id, None)
             self._ended.pop(request_id, None)
+            self._remember(request_id, RequestState.IN_FLIGHT)
 
     def write_arrived(self, request_id: str, producer: str) -> None:
         """One write of ``request_id`` by ``producer`` (an engine id) completed here; the request is
         received once every expected producer completed every expected write."""
         with self._lock:
-            producers, writes = self._expected_writes.get(request_id, (1, 1))
+            if request_id in self._cancelled:
+                return
             counts = self._writes.setdefault(request_id, {})
             counts[producer] = counts.get(producer, 0) + 1
-            if sum(1 for n in counts.values() if n >= writes) < producers:
-                self._remember(request_id, RequestState.IN_FLIGHT)
+            self._check_complete(request_id)
+
+    def writes_done(self, request_id: str, producer: str, writes: int, aux: bytes, error: str = "") -> str | None:
+        """A producer's ``WritesDone``: it made ``writes`` writes of ``request_id`` here, and ``aux``
+        comes with them (``error``: it gave the request up; the request fails). Returns None when
+        accepted, else why it is refused (a request this agent does not expect, or aborted)."""
+        with self._lock:
+            if request_id in self._cancelled:
+                return f"request {request_id!r} was aborted by this consumer"
+            if request_id not in self._expected_writes:
+                state = self._ended.get(request_id)
+                return (f"request {request_id!r} is not expected here"
+                        + (f" (it is {state.value})" if state is not None else ""))
+            if error:
+                del self._expected_writes[request_id]
+                self._fail_push(request_id, TransferFailedError(
+                    f"producer {producer} gave request {request_id!r} up: {error}"))
+                return None
+            self._finals.setdefault(request_id, {})[producer] = (int(writes), bytes(aux))
+            self._check_complete(request_id)
+            return None
+
+    def push_failed(self, request_id: str, error: KvxferError) -> None:
+        """A pushed request failed before it was received (its announce, or the deadline)."""
+        with self._lock:
+            if self._expected_writes.pop(request_id, None) is None:
                 return
-            del self._writes[request_id]
-            self._expected_writes.pop(request_id, None)
-            self._current.received.add(request_id)
-            self._remember(request_id, RequestState.RECEIVED)
+            self._fail_push(request_id, error)
+
+    def cancel(self, request_id: str) -> None:
+        """The consumer aborted ``request_id``: forget what it expected; drop late writes of it."""
+        with self._lock:
+            had = self._expected_writes.pop(request_id, None) is not None
+            self._writes.pop(request_id, None)
+            self._finals.pop(request_id, None)
+            if had:
+                self._cancelled[request_id] = None
+                while len(self._cancelled) > self._memory:
+                    self._cancelled.popitem(last=False)
+
+    def take_aux(self, request_id: str) -> dict[str, bytes]:
+        """The aux payloads that came with a received request, by producer engine (taken once)."""
+        with self._lock:
+            return self._aux.pop(request_id, {})
+
+    def _fail_push(self, request_id: str, error: KvxferError) -> None:  # caller holds the lock
+        self._writes.pop(request_id, None)
+        self._finals.pop(request_id, None)
+        self._current.failed[request_id] = error
+        self._remember(request_id, RequestState.FAILED)
+
+    def _check_complete(self, request_id: str) -> None:  # caller holds the lock
+        producers, writes, _ = self._expected_writes.get(request_id, (1, 1, None))
+        counts = self._writes.get(request_id, {})
+        finals = self._finals.get(request_id, {})
+        if writes is None:
+            complete = sum(1 for p, (n, _) in finals.items() if counts.get(p, 0) >= n)
+        else:
+            complete = sum(1 for n in counts.values() if n >= writes)
+        if complete < producers:
+            self._remember(request_id, RequestState.IN_FLIGHT)
+            return
+        self._writes.pop(request_id, None)
+        self._finals.pop(request_id, None)
+        self._expected_writes.pop(request_id, None)
+        aux = {p: a for p, (_, a) in finals.items()}
+        if aux:
+            self._aux[request_id] = aux
+            while len(self._aux) > _AUX_MEMORY:
+                self._aux.popitem(last=False)
+        self._current.received.add(request_id)
+        self._remember(request_id, RequestState.RECEIVED)
+
+    def _sweep(self) -> None:  # caller holds the lock
+        """Fail the pushed requests whose deadline passed (checked whenever anyone asks)."""
+        now = None
+        for request_id, (_, _, deadline) in list(self._expected_writes.items()):
+            if deadline is None:
+                continue
+            now = self._clock() if now is None else now
+            if now >= deadline:
+                del self._expected_writes[request_id]
+                got = sum(self._writes.get(request_id, {}).values())
+                self._fail_push(request_id, TransferTimeoutError(
+                    f"request {request_id!r}: the producers' writes did not all arrive before the deadline "
+                    f"({got} write(s) and {len(self._finals.get(request_id, {}))} end(s) arrived)"))
 
     def drain(self) -> Finished:
         with self._lock:
+            self._sweep()
             out, self._current = self._current, Finished()
         return out

@@ -12,15 +12,18 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvxfer.engine.leases import ClaimResult
 from kvxfer.errors import KvxferError, ProtocolError
 from kvxfer.transport.sessions import LogLimiter
 from kvxfer.types import ReleaseOutcome, ReleaseReason
 from kvxfer.layout import expected_notifications
 from kvxfer.protocol import (
-    Abort, Ack, Claim, ClaimBatch, Done, Grant, Grants, Heartbeat, HeartbeatAck, PackRequest, PeerInfo, Refuse,
-    ServerSession, claim_blocks,
+    Abort, Ack, Announce, Claim, ClaimBatch, Done, Grant, Grants, Heartbeat, HeartbeatAck, PackRequest, PeerInfo,
+    Refuse, ServerSession, WritesDone, claim_blocks,
 )
+from kvxfer.agent.announce import Announcement
 
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
@@ -90,6 +93,18 @@ class ProducerService:
         self._note_grant(message.engine_id, message.request_id)
         return Grant(message.request_id, result.lease_remaining)
 
+    def _announce(self, message: Announce) -> Ack | Refuse:
+        """Record a consumer's announce (its block ids are checked against its cache by the write's
+        plan, when the producer writes)."""
+        if not message.listen_host:
+            return Refuse(message.request_id, "announce without the consumer's listen_host")
+        blocks = np.asarray(message.block_ids, dtype=np.int64)
+        self._agent._announced.add(Announcement(message.request_id, message.engine_id,
+                                                (message.listen_host, message.listen_port), blocks,
+                                                message.payload))
+        self._agent._reports.forget(message.request_id)
+        return Ack()
+
     def make_session(self) -> ServerSession:
         """A fresh server session for a new client identity (called by the transport).
 
@@ -115,6 +130,9 @@ class ProducerService:
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
+            if self._agent._announced.cancel(message.request_id, message.engine_id):  # a push not yet ended
+                self._agent._reports.released(message.request_id, ReleaseReason.ABORTED.value)
+                return Ack(released=True)
             if not leases.may_act(message.request_id, message.engine_id):  # the hold names other engines
                 self._refusals.event("abort", f"refused abort of {message.request_id!r} by "
                                               f"{message.engine_id}: held for other consumer engines")
@@ -126,6 +144,12 @@ class ProducerService:
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
             leases.done(message.request_id, message.engine_id)
             return Ack()
+        if isinstance(message, Announce):
+            return self._announce(message)
+        if isinstance(message, WritesDone):
+            why = self._agent._reports.writes_done(message.request_id, message.engine_id, message.writes, message.aux,
+                                                   error=message.error)
+            return Ack() if why is None else Refuse(message.request_id, why)
         if isinstance(message, PackRequest):
             packer = self._agent._packer
             if packer is None or peer is None:

@@ -28,6 +28,7 @@ __all__ = [
     "REPLIES",
     "Abort",
     "Ack",
+    "Announce",
     "Claim",
     "Grant",
     "Heartbeat",
@@ -36,6 +37,7 @@ __all__ = [
     "IpcWire",
     "MAX_BACKEND_METADATA",
     "MAX_LAYERS",
+    "MAX_PAYLOAD",
     "Message",
     "PackReady",
     "PackRequest",
@@ -45,6 +47,7 @@ __all__ = [
     "SpecWire",
     "StagingWire",
     "Welcome",
+    "WritesDone",
     "check_peer_info",
     "claim_blocks",
     "compat_hash",
@@ -339,9 +342,38 @@ class Done(_Msg, frozen=True):
     engine_id: Id
 
 
+#: Largest ``Announce.payload`` / ``WritesDone.aux`` (bytes): a few rows of engine metadata, not KV.
+MAX_PAYLOAD = 1 << 20
+
+
+class Announce(_Msg, frozen=True):
+    """Consumer -> producer (push model, consumer first): write ``request_id`` into these blocks of
+    mine. ``listen_host``/``listen_port`` is where the consumer's side channel listens (the producer
+    writes there); ``payload`` is the engine's own bytes for the producer (e.g. a metadata row index)."""
+
+    request_id: Id
+    engine_id: Id
+    block_ids: list[NonNeg]
+    listen_host: Annotated[str, Meta(max_length=255)]
+    listen_port: Annotated[int, Meta(ge=1, le=65535)]
+    payload: Annotated[bytes, Meta(max_length=MAX_PAYLOAD)] = b""
+
+
+class WritesDone(_Msg, frozen=True):
+    """Producer -> consumer (push model): every write of ``request_id`` by this producer has
+    completed; there were ``writes`` of them. ``aux`` is delivered with the KV: the consumer reports
+    the request received only once the writes and this message have all arrived."""
+
+    request_id: Id
+    engine_id: Id
+    writes: NonNeg
+    aux: Annotated[bytes, Meta(max_length=MAX_PAYLOAD)] = b""
+    error: Text = ""   # not empty: the producer gave the request up (the consumer fails it with this reason)
+
+
 Message = Union[
     Hello, Welcome, Reject, Claim, Grant, Refuse, Heartbeat, HeartbeatAck,
-    Abort, Ack, PackRequest, PackReady, Done, ClaimBatch, Grants,
+    Abort, Ack, PackRequest, PackReady, Done, ClaimBatch, Grants, Announce, WritesDone,
 ]
 
 #: Messages a client may send once ready, and the replies each one may get.
@@ -352,6 +384,8 @@ REPLIES: dict[type, tuple[type, ...]] = {
     Abort: (Ack, Refuse),
     PackRequest: (PackReady, Refuse),
     Done: (Ack, Refuse),
+    Announce: (Ack, Refuse),
+    WritesDone: (Ack, Refuse),
 }
 
 

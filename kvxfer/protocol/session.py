@@ -31,6 +31,7 @@ from kvxfer.protocol.messages import (
     PROTOCOL_VERSION,
     REPLIES,
     Abort,
+    Announce,
     Claim,
     ClaimBatch,
     Done,
@@ -41,6 +42,7 @@ from kvxfer.protocol.messages import (
     PeerInfo,
     Reject,
     Welcome,
+    WritesDone,
     check_peer_info,
     spec_from_wire,
     compat_hash,
@@ -65,6 +67,9 @@ _SERVER_TABLE: dict[tuple[SessionState, type], str] = {
     (SessionState.READY, Hello): "_on_hello",
     **{(SessionState.READY, kind): "_on_request" for kind in REPLIES},
 }
+
+#: Requests that name the sending engine: it must be the handshaken one.
+_NAMES_ITS_ENGINE = (Claim, Heartbeat, Abort, Done, Announce, WritesDone)
 
 _REPLY_TYPES = tuple({t for replies in REPLIES.values() for t in replies})
 
@@ -280,7 +285,7 @@ class ServerSession:
         return self.codec.encode(Welcome(self.local))
 
     def _on_request(self, msg: Message) -> bytes:
-        if isinstance(msg, (Claim, Heartbeat, Abort, Done)) and msg.engine_id != self.peer.engine_id:
+        if isinstance(msg, _NAMES_ITS_ENGINE) and msg.engine_id != self.peer.engine_id:
             return self._reject(
                 "state", f"engine_id: expected {self.peer.engine_id!r} (handshaken); got {msg.engine_id!r}"
             )
