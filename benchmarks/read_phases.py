@@ -41,6 +41,7 @@ STEPS = [
     ("kvxfer.engine.transfers", "TransferEngine", "reserve_many"),
     ("kvxfer.gpu.ops", "PairKernel", "launch"),
     ("kvxfer.engine.posted", "DirectJob", "__init__"),
+    ("kvxfer.agent.notices", "DoneSender", "_run"),
 ]
 
 EVENTS: list[tuple[float, str, str]] = []
@@ -96,6 +97,8 @@ def _thread(name: str) -> str:
         return "caller"
     if name.startswith("kvxfer-peer"):
         return "lane"
+    if name.startswith("kvxfer-done"):
+        return "done-lane"
     if name == "kvxfer-consumer":
         return "progress"
     return name[:12]
@@ -144,19 +147,23 @@ def main() -> None:
                 continue
             totals.append(time.perf_counter() - t0)
             modes.update(s.mode for s in stats)
-            seen = set()
+            first: dict = {}
+            last: dict = {}
             for t, thread, label in EVENTS:
                 key = (label, _thread(thread))
-                if key not in seen:  # each step's first occurrence
-                    seen.add(key)
-                    offsets.setdefault(key, []).append(t - t0)
+                first.setdefault(key, t - t0)
+                last[key] = t - t0
+            for key, t in first.items():
+                offsets.setdefault(key, []).append(t)
+                if args.batch > 1 and last[key] != t:  # a step: when the last of them happened too
+                    offsets.setdefault((key[0] + " (last)", key[1]), []).append(last[key])
     stop.set()
     proc.join(30)
     mib = spec.block_bytes * 2 * spec.num_layers * blocks / 2**20
     med = statistics.median
     print(f"{args.device}: {args.batch} x {args.tokens} tokens ({mib:.0f} MiB), path {sorted(modes)}, "
           f"{len(totals)} steps; median {med(totals) * 1e3:.3f} ms from the call to every wait returned")
-    print(f"  {'us after the call':>18}  {'thread':9} step (> begins, < ends; first occurrence per step)")
+    print(f"  {'us after the call':>18}  {'thread':9} step (> begins, < ends; first occurrence per step, and last)")
     for (label, thread), times in sorted(offsets.items(), key=lambda kv: med(kv[1])):
         print(f"  {med(times) * 1e6:18.0f}  {thread:9} {label}  (seen in {len(times)})")
 

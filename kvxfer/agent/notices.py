@@ -25,7 +25,7 @@ from typing import Callable
 
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.errors import KvxferError
-from kvxfer.protocol import Done, Refuse
+from kvxfer.protocol import MAX_BATCH, Done, Refuse
 
 __all__ = ["DoneSender", "knows_done"]
 
@@ -40,7 +40,8 @@ def knows_done(info) -> bool:
 
 class DoneSender:
     """Delivers ``Done`` notices, in order per producer rank, each rank on its own lane (a frozen
-    producer delays only its own notices). ``close`` drains and stops.
+    producer delays only its own notices); the notices queued for one rank while its lane was
+    busy (a step's reads) go as one message. ``close`` drains and stops.
 
     Args:
         engine_id: this consumer's engine id (the notices' sender).
@@ -64,18 +65,40 @@ class DoneSender:
             log.debug("done notice of %r after close: dropped (its lease will expire)", request_id)
 
     def _run(self, _key, items: list) -> None:
+        """The notices queued for one producer rank's address: those to one link (one engine)
+        go in one ``Done`` when the producer reads ``Done.more``, else one each."""
+        by_link: dict[int, tuple] = {}
         for link, request_id in items:
-            try:
+            by_link.setdefault(id(link), (link, []))[1].append(request_id)
+        for link, request_ids in by_link.values():
+            if getattr(link.info, "batch_done", False) and knows_done(link.info):
+                for at in range(0, len(request_ids), MAX_BATCH + 1):
+                    chunk = request_ids[at:at + MAX_BATCH + 1]
+                    self._tell(link, chunk[0], Done(chunk[0], self._engine_id, chunk[1:]))
+                continue
+            for request_id in request_ids:
                 if self._notify is not None and not knows_done(link.info):
-                    self._notify(link, request_id)  # an older producer: the notification it expects
-                    continue
-                reply = self._ask(link, Done(request_id, self._engine_id))
-                if isinstance(reply, Refuse):
-                    log.info("producer %s refused the done notice of %r: %s", link.engine_id, request_id,
-                             reply.reason)
-            except KvxferError as exc:
-                log.warning("done notice of %r to %s not delivered (its lease will expire): %s",
-                            request_id, link.engine_id, exc)
+                    self._notify_old(link, request_id)  # an older producer: the notification it expects
+                else:
+                    self._tell(link, request_id, Done(request_id, self._engine_id))
+
+    def _tell(self, link, request_id: str, message: Done) -> None:
+        count = 1 + len(message.more)
+        what = f"{request_id!r}" + (f" and {count - 1} more" if count > 1 else "")
+        try:
+            reply = self._ask(link, message)
+            if isinstance(reply, Refuse):
+                log.info("producer %s refused the done notice of %s: %s", link.engine_id, what, reply.reason)
+        except KvxferError as exc:
+            log.warning("done notice of %s to %s not delivered (its lease will expire): %s",
+                        what, link.engine_id, exc)
+
+    def _notify_old(self, link, request_id: str) -> None:
+        try:
+            self._notify(link, request_id)
+        except KvxferError as exc:
+            log.warning("done notice of %r to %s not delivered (its lease will expire): %s",
+                        request_id, link.engine_id, exc)
 
     def close(self, timeout: float = 5.0) -> None:
         self._lanes.close(timeout)

@@ -142,7 +142,8 @@ class ProducerService:
             # The wire keeps its bool: True when this abort ended the hold (now or once windows close).
             return Ack(released=outcome in (ReleaseOutcome.FREE_NOW, ReleaseOutcome.FREE_WHEN_FINISHED))
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
-            leases.done(message.request_id, message.engine_id)
+            for request_id in (message.request_id, *message.more):
+                leases.done(request_id, message.engine_id)
             return Ack()
         if isinstance(message, Announce):
             return self._announce(message)

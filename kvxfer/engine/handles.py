@@ -78,38 +78,57 @@ class TransferHandle:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._poke: Callable[[], bool] | None = None  # polls this request once (set by the engine)
-        self._event = threading.Event()
         self._error: KvxferError | None = None
         self._stats: TransferStats | None = None
         self._lock = threading.Lock()
         self._callbacks: list = []
-        # ``_nudge`` wakes waiters when the request may have become pollable (posted, granted)
-        self._moved = threading.Condition(threading.Lock())
+        # A step makes a handle per request: plain locks here, not threading.Event/Condition (a
+        # pure-Python object costing several times a lock to make). ``_finished`` is the state;
+        # ``_latch``, held from birth to completion, is what waiters block on.
+        self._finished = False
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        # ``_nudge`` wakes waiters when the request may have become pollable (posted, granted);
+        # the condition is made by the first waiter that needs it
+        self._moved: threading.Condition | None = None
         self._generation = 0
 
     # ---- engine side -----------------------------------------------------------
     def _finish(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> bool:
         """Complete the handle; returns False if it was already complete."""
         with self._lock:
-            if self._event.is_set():
+            if self._finished:
                 return False
             if stats is not None and not stats.total_seconds:
                 # The call began setup_seconds before the post, and the post seconds before now.
                 stats.total_seconds = stats.setup_seconds + stats.seconds
             self._stats, self._error = stats, error
             self._poke = None
-            self._event.set()
+            self._finished = True
             callbacks, self._callbacks = self._callbacks, []
-        self._nudge()
+            self._generation += 1
+            if self._moved is not None:
+                self._moved.notify_all()
+        self._latch.release()  # every waiter passes it on (``_wait_latch``)
         for cb in callbacks:
             self._run_callback(cb)
         return True
 
     def _nudge(self) -> None:
         """The engine moved the request on (posted, granted or ended): waiters look again."""
-        with self._moved:
+        with self._lock:
             self._generation += 1
-            self._moved.notify_all()
+            if self._moved is not None:
+                self._moved.notify_all()
+
+    def _wait_latch(self, timeout: float | None) -> bool:
+        """Block until complete, at most ``timeout`` seconds; True once complete."""
+        if self._finished:
+            return True
+        if not self._latch.acquire(timeout=-1 if timeout is None else min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
+            return self._finished
+        self._latch.release()  # the next waiter may pass too
+        return True
 
     def _run_callback(self, fn) -> None:
         """Run one done-callback; an error in it is the callback's bug, not the transfer's: log it."""
@@ -124,7 +143,7 @@ class TransferHandle:
         thread if the handle is already complete. Callbacks run in the order they were added; one
         that raises is logged (logger ``kvxfer``) and does not stop the others. Never raises."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._finished:
                 self._callbacks.append(fn)
                 return
         self._run_callback(fn)
@@ -133,9 +152,9 @@ class TransferHandle:
     def done(self) -> bool:
         """Whether the transfer ended (either way); polls the request once. Never blocks long, never raises."""
         poke = self._poke
-        if poke is not None and not self._event.is_set():
+        if poke is not None and not self._finished:
             poke()
-        return self._event.is_set()
+        return self._finished
 
     def exception(self) -> KvxferError | None:
         """The error the transfer ended with, or None (also None while still running)."""
@@ -154,7 +173,7 @@ class TransferHandle:
         """
         end = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         spin_until = None
-        while not self._event.is_set():
+        while not self._finished:
             poke = self._poke
             if poke is None:
                 break
@@ -165,11 +184,13 @@ class TransferHandle:
             # moment: completing it on this thread saves waking this one from another.
             pollable = poke()
             now = time.monotonic()
-            if self._event.is_set() or (end is not None and now >= end):
+            if self._finished or (end is not None and now >= end):
                 break
             if pollable is False:
-                with self._moved:
-                    if self._generation == generation and not self._event.is_set():
+                with self._lock:
+                    if self._moved is None:
+                        self._moved = threading.Condition(self._lock)
+                    if self._generation == generation and not self._finished:
                         self._moved.wait(None if end is None else end - now)
                 continue
             if spin_until is None:
@@ -178,7 +199,7 @@ class TransferHandle:
                 break
             time.sleep(0)
         left = None if end is None else max(0.0, end - time.monotonic())
-        if not self._event.wait(left):
+        if not self._wait_latch(left):
             raise WaitTimeout(f"request {self.request_id!r} not complete within {timeout} s (only the wait ran "
                               "out: the transfer goes on until its own deadline)",
                               request_id=self.request_id, timeout=timeout)
@@ -203,7 +224,7 @@ class TransferHandle:
         return (yield from future.__await__())
 
     def __repr__(self) -> str:
-        state = "done" if self._event.is_set() else "pending"
+        state = "done" if self._finished else "pending"
         return f"<TransferHandle {self.request_id!r} {state}>"
 
 

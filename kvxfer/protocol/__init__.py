@@ -16,6 +16,7 @@ from kvxfer.protocol.codec import (
 )
 from kvxfer.protocol.messages import (
     MAX_BACKEND_METADATA,
+    MAX_BATCH,
     MAX_LAYERS,
     MAX_PAYLOAD,
     PROTOCOL_VERSION,
@@ -73,6 +74,7 @@ __all__ = [
     "Hello",
     "IpcWire",
     "MAX_BACKEND_METADATA",
+    "MAX_BATCH",
     "MAX_LAYERS",
     "MAX_PAYLOAD",
     "Message",

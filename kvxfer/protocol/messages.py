@@ -169,6 +169,9 @@ class PeerInfo(msgspec.Struct, frozen=True):
     # Appended: this agent answers ``ClaimBatch`` (many requests' claims in one message). Older
     # peers: False (they get one ``Claim`` per request).
     batch_claims: bool = False
+    # Appended: this agent reads ``Done.more`` (a step's done notices in one message). Older
+    # peers: False (they get one ``Done`` per request).
+    batch_done: bool = False
 
 
 class Hello(_Msg, frozen=True):
@@ -340,6 +343,9 @@ class Done(_Msg, frozen=True):
 
     request_id: Id
     engine_id: Id
+    # Appended: more requests this consumer finished, told in the same message (a step's reads,
+    # to a producer that announces ``PeerInfo.batch_done``). Older peers never get it.
+    more: Annotated[list[Id], Meta(max_length=MAX_BATCH)] = []
 
 
 #: Largest ``Announce.payload`` / ``WritesDone.aux`` (bytes): a few rows of engine metadata, not KV.
@@ -496,5 +502,5 @@ def make_peer_info(
         mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
         listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
         multiplexed=bool(multiplexed), express_port=int(express_port), packed_ids=True,
-        batch_claims=True,
+        batch_claims=True, batch_done=True,
     )

@@ -5,17 +5,35 @@ A notice queued behind the link's pending claim would delay back-to-back reads; 
 carried ids, a second session per producer rank (a second ZMQ connection and Hello) avoided that.
 """
 
-from kvxfer.protocol import Claim, Grant, Heartbeat, HeartbeatAck
+import threading
+
+import msgspec
+import pytest
+
+from kvxfer.errors import ProtocolError
+from kvxfer.protocol import MAX_BATCH, Claim, Codec, Done, Grant, Heartbeat, HeartbeatAck, compat_hash
 
 from agent_helpers import spec, wait_for
 
 
-def _seen(agent):
-    """Record the type name of every side-channel message ``agent`` handles."""
+def _seen(agent, messages=None):
+    """Record the type name of every side-channel message ``agent`` handles (and, into
+    ``messages``, the messages themselves)."""
     seen = []
     handle = agent._service.handle
-    agent._service.handle = lambda message, peer: (seen.append(type(message).__name__), handle(message, peer))[1]
+
+    def record(message, peer):
+        seen.append(type(message).__name__)
+        if messages is not None:
+            messages.append(message)
+        return handle(message, peer)
+    agent._service.handle = record
     return seen
+
+
+def _told(messages) -> list[str]:
+    """The request ids the ``Done`` messages among ``messages`` named, in order."""
+    return [rid for m in messages if isinstance(m, Done) for rid in (m.request_id, *m.more)]
 
 
 def test_done_is_delivered_while_a_request_on_the_link_awaits_its_answer(harness):
@@ -40,9 +58,68 @@ def test_notices_open_no_second_session(harness):
     prod, _ = harness.agent(s)
     cons, _ = harness.agent(s, listen=False)
     link = cons.connect(*prod.address)
-    seen = _seen(prod)
+    messages: list = []
+    _seen(prod, messages)
     for i in range(3):
         cons._done.send(link, f"r{i}")
-    assert wait_for(lambda: seen.count("Done") == 3)
+    assert wait_for(lambda: _told(messages) == ["r0", "r1", "r2"])
     assert [p.engine_id for p in prod._server.peers()] == [cons.engine_id]
     assert prod._server.counters()["sessions"] == 1
+
+
+def test_a_steps_notices_to_one_rank_go_in_one_message_and_end_every_hold(harness):
+    """Notices queued while the rank's lane is busy (a step's reads ending together) travel as one
+    ``Done`` naming them all; the producer ends each of those holds, and only those."""
+    s = spec()
+    prod, _ = harness.agent(s)
+    cons, _ = harness.agent(s, listen=False)
+    link = cons.connect(*prod.address)
+    assert link.info.batch_done
+    rids = [f"s{i}" for i in range(8)]
+    for i, rid in enumerate(rids):
+        prod.hold(rid, [i])
+    prod.hold("other", [10])
+    messages: list = []
+    _seen(prod, messages)
+    gate, entered = threading.Event(), threading.Event()
+    ask = cons._done._ask
+
+    def slow_ask(lk, m):  # the lane is busy with the first notice: the others queue up meanwhile
+        entered.set()
+        gate.wait(5)
+        return ask(lk, m)
+    cons._done._ask = slow_ask
+    cons._done.send(link, rids[0])
+    assert entered.wait(5)
+    for rid in rids[1:]:
+        cons._done.send(link, rid)
+    gate.set()
+    assert wait_for(lambda: _told(messages) == rids)
+    assert sum(isinstance(m, Done) for m in messages) == 2  # the first alone, then the 7 queued behind it
+    assert wait_for(lambda: not any(prod.holding(rid) for rid in rids))
+    assert prod.holding("other")
+
+
+def test_a_producer_without_batch_done_gets_one_notice_per_request(harness):
+    s = spec()
+    prod, _ = harness.agent(s)
+    cons, _ = harness.agent(s, listen=False)
+    link = cons.connect(*prod.address)
+    object.__setattr__(link, "info", msgspec.structs.replace(link.info, batch_done=False))  # as an older peer
+    for i in range(3):
+        prod.hold(f"r{i}", [i])
+    messages: list = []
+    _seen(prod, messages)
+    cons._done._run(None, [(link, f"r{i}") for i in range(3)])
+    assert [m.more for m in messages if isinstance(m, Done)] == [[], [], []]
+    assert _told(messages) == ["r0", "r1", "r2"]
+    assert wait_for(lambda: not any(prod.holding(f"r{i}") for i in range(3)))
+
+
+def test_done_more_round_trips_and_is_bounded():
+    codec = Codec(compat_hash(spec()))
+    message = Done("a", "eng", ["b", "c"])
+    assert codec.decode(codec.encode(message)) == message
+    assert codec.decode(codec.encode(Done("a", "eng"))).more == []
+    with pytest.raises(ProtocolError):
+        codec.decode(codec.encode(Done("a", "eng", ["x"] * (MAX_BATCH + 1))))

@@ -27,7 +27,7 @@ from kvxfer.layout.spec import Layout, Storage
 #: The appended PeerInfo fields an old peer neither sends nor reads: the GPU paths, then the
 #: multiplexed listener (request ids on the side channel).
 GPU_FIELDS = ("host_id", "ipc", "staging")
-NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id", "packed_ids", "batch_claims")
+NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id", "packed_ids", "batch_claims", "batch_done")
 #: The messages the old peer's union does not have.
 NEWER = (Done, PackRequest, PackReady, ClaimBatch, Grants)
 
@@ -100,7 +100,8 @@ def test_appended_fields_are_last_and_defaulted():
     assert tuple(f.name for f in fields[-len(NEWER_FIELDS):]) == NEWER_FIELDS
     assert {f.name: f.default for f in fields[-len(NEWER_FIELDS):]} == dict(host_id="", ipc=None, staging=None,
                                                                            multiplexed=False, express_port=0, net_id="",
-                                                                           packed_ids=False, batch_claims=False)
+                                                                           packed_ids=False, batch_claims=False,
+                                                                           batch_done=False)
     assert OLD_FIELDS == tuple(f.name for f in fields[:-len(NEWER_FIELDS)])
 
 
@@ -113,7 +114,8 @@ def test_old_hello_decodes_with_gpu_path_defaults_and_every_other_field_intact()
     assert isinstance(msg, Hello)
     assert (msg.info.host_id, msg.info.ipc, msg.info.staging, msg.info.multiplexed) == ("", None, None, False)
     # every other field compares (the test PeerInfo has the GPU defaults; an old peer is not multiplexed)
-    assert msg.info == msgspec.structs.replace(current, multiplexed=False, packed_ids=False, batch_claims=False)
+    assert msg.info == msgspec.structs.replace(current, multiplexed=False, packed_ids=False, batch_claims=False,
+                                               batch_done=False)
     spec_, geometry = check_peer_info(msg.info, codec().compat)
     assert spec_ == spec() and geometry.bases.tolist() == current.bases
 
