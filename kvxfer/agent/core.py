@@ -43,7 +43,7 @@ from kvxfer.errors import (
     ClosedError, ConfigError, KvxferError, LeaseExpiredError, RegistrationError, TransferFailedError,
 )
 from kvxfer.layout import CacheView, KVSpec
-from kvxfer.layout.request import check_block_ids
+from kvxfer.layout.request import check_block_id_lists, check_block_ids
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
     Codec, Heartbeat, compat_hash, decode_notification, encode_notification, make_peer_info, new_engine_id,
@@ -338,20 +338,21 @@ class Agent:
         started = time.perf_counter()
         self._check_open()
         self._require_cache()
-        pending = [self._pending_read(rr, started) for rr in requests]
+        for rr in requests:
+            if not isinstance(rr, ReadRequest):
+                raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
+        # the step's ids checked together (the same checks and errors as one by one)
+        locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], self.spec.num_blocks)
+        remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], _MAX_BLOCK_ID)
+        pending = [self._pending_read(rr, started, local, remote_ids)
+                   for rr, local, remote_ids in zip(requests, locals_, remotes)]
         reqs = self._engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
                                          granted=False)
+        handles = []
         for read, req in zip(pending, reqs):
             read.req = req
-        handles = []
-        for read in pending:
             self._read_remotes[read.request_id] = read.remote
-            handle = read.req.handle
-            handle.add_done_callback(self._on_read_done)
-            if self._metrics is not None:
-                # the path is known once the lane chose it: read it when the handle completes
-                handle.add_done_callback(lambda h, req=read.req: self._metrics.observe("read", req.mode, h))
-            handles.append(handle)
+            handles.append(req.handle)
         by_peer: dict[tuple[str, int], list] = {}
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
@@ -371,13 +372,18 @@ class Agent:
                     self._reads.launch_inline(reads)
                 finally:
                     gate.release()
+        for read in pending:  # after the launch: a handle already complete runs them here, at once
+            handle = read.req.handle
+            handle.add_done_callback(self._on_read_done)
+            if self._metrics is not None:
+                # the path is known once the lane chose it: read it when the handle completes
+                handle.add_done_callback(lambda h, req=read.req: self._metrics.observe("read", req.mode, h))
         self._wake.set()
         return handles
 
-    def _pending_read(self, rr: ReadRequest, started: float) -> PendingRead:
-        """Check one request's arguments (raises at once) and make its lane item."""
-        if not isinstance(rr, ReadRequest):
-            raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
+    def _pending_read(self, rr: ReadRequest, started: float, local: np.ndarray, remote_ids: np.ndarray) -> PendingRead:
+        """Check one request's other arguments (raises at once) and make its lane item (its ids
+        were checked: ``check_block_id_lists``)."""
         timeout = self.config.transfer_timeout if rr.timeout is None else rr.timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
@@ -386,8 +392,6 @@ class Agent:
         # The read's window starts now, before any claim is sent: the producer counts the same
         # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
         deadline = None if timeout is None else self._clock.now() + timeout
-        local = check_block_ids("local", rr.local_blocks, self.spec.num_blocks)
-        remote_ids = check_block_ids("remote", rr.remote_blocks, _MAX_BLOCK_ID)
         note = encode_notification(rr.request_id, self.engine_id, self.config.auth_key)
         return PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
                            same_format=bool(rr.same_format))

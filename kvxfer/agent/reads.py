@@ -160,10 +160,12 @@ class ReadFlow:
         the reads (see the module doc); True when it did (then ``launch_inline`` follows, while
         the lane sends the claims). Never blocks on a peer."""
         agent = self._agent
-        ready = ready_links(agent._peers, agent.spec, remote)
         # Only where the kernel serves the reads: other paths start after the grant anyway, and
         # routing them (descriptor tables) here would only lengthen the call.
-        if ready is None or agent.config.transfer_path not in ("auto", "ipc") or not ready[0] \
+        if not agent._kit.vram or agent.config.transfer_path not in ("auto", "ipc"):
+            return False
+        ready = ready_links(agent._peers, agent.spec, remote)
+        if ready is None or not ready[0] \
                 or any(agent._kit.ipc_why(link) is not None for link in ready[0]):
             return False
         try:

@@ -14,7 +14,7 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.types import TransferPath
 
-__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_ids", "merge_rows"]
+__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "merge_rows"]
 
 _U64 = np.uint64
 
@@ -43,6 +43,29 @@ def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> n
         if dup.any():
             raise BlockIdError(f"{side} block ids must be distinct; got {int(s[1:][dup][0])} twice")
     return a.astype(np.int64, copy=False)
+
+
+def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndarray]:
+    """``check_block_ids`` for many requests' ids at once (an engine step's), each list on its own
+    (an id may appear in two lists, not twice in one); the same result and the same errors.
+
+    One pass over all of them when every list is a 1-D array of one integer type; anything else,
+    or any failure, takes the lists one by one, so an error names the offending id as
+    ``check_block_ids`` does, in list order.
+    """
+    arrays = [np.asarray(ids) for ids in lists]
+    kind = arrays[0].dtype if arrays else None
+    if not arrays or any(a.ndim != 1 or a.dtype != kind for a in arrays) or kind.kind not in "iu":
+        return [check_block_ids(side, ids, bound) for ids in lists]
+    sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    flat = np.concatenate(arrays)
+    if flat.size:
+        owner = np.repeat(np.arange(len(arrays)), sizes)
+        order = np.lexsort((flat, owner))
+        ids, who = flat[order], owner[order]
+        if ids.min() < 0 or ids.max() >= bound or np.any((ids[1:] == ids[:-1]) & (who[1:] == who[:-1])):
+            return [check_block_ids(side, ids, bound) for ids in lists]  # raises, naming the id
+    return [a.astype(np.int64, copy=False) if a.size else np.zeros(0, dtype=np.int64) for a in arrays]
 
 
 def merge_rows(loc: np.ndarray, rem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

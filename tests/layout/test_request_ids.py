@@ -1,0 +1,57 @@
+"""``check_block_id_lists`` (a step's ids checked in one pass) agrees with ``check_block_ids``
+list by list: the same arrays, or the same error naming the same id."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.errors import BlockIdError
+from kvxfer.layout.request import check_block_id_lists, check_block_ids
+
+BOUND = 40
+
+ids = st.lists(st.integers(min_value=-3, max_value=BOUND + 3), max_size=12)
+as_array = st.sampled_from([list, lambda x: np.asarray(x, dtype=np.int64), lambda x: np.asarray(x, dtype=np.int32)])
+
+
+def _one_by_one(lists):
+    try:
+        return [check_block_ids("local", x, BOUND) for x in lists], None
+    except BlockIdError as exc:
+        return None, str(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(ids, as_array), max_size=6))
+def test_the_step_check_equals_the_check_of_each_list(raw):
+    lists = [make(x) for x, make in raw]
+    want, error = _one_by_one(lists)
+    if error is not None:
+        with pytest.raises(BlockIdError) as got:
+            check_block_id_lists("local", lists, BOUND)
+        assert str(got.value) == error
+        return
+    got = check_block_id_lists("local", lists, BOUND)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == np.int64 and a.ndim == 1
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_id_may_repeat_across_requests_but_not_within_one():
+    got = check_block_id_lists("local", [[1, 2], [2, 3]], BOUND)
+    assert [a.tolist() for a in got] == [[1, 2], [2, 3]]
+    with pytest.raises(BlockIdError, match="local block ids must be distinct; got 3 twice"):
+        check_block_id_lists("local", [[1, 2], [3, 3]], BOUND)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([[0], [1.5]], "must be integers"),
+    ([[0], [[1, 2]]], "must be a 1-D sequence"),
+    ([[0], [True]], "must be integers"),
+    ([[0], [BOUND]], f"local block id {BOUND} is outside"),
+])
+def test_mixed_or_malformed_lists_raise_as_one_by_one(bad, message):
+    with pytest.raises(BlockIdError, match=message):
+        check_block_id_lists("local", bad, BOUND)
