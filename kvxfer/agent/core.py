@@ -22,6 +22,8 @@ from kvxfer.engine.paths.kit import PathKit
 from kvxfer.engine.paths.packing import PackServer
 from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
 from kvxfer.agent.claims import Claims
+from kvxfer.agent.heartbeats import send_keepalive, tell_abort
+from kvxfer.agent.progress import run_progress
 from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.streams import WriteStream
 from kvxfer.agent.notices import DoneSender
@@ -46,14 +48,13 @@ from kvxfer.layout import CacheView, KVSpec
 from kvxfer.layout.request import check_block_id_lists, check_block_ids
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
-    Codec, Heartbeat, compat_hash, decode_notification, encode_notification, make_peer_info, new_engine_id,
+    Codec, compat_hash, encode_notification, make_peer_info, new_engine_id,
 )
 from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
 from kvxfer.transport.zmq import ZmqTransport
 from kvxfer.types import (
     AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
-    TransferPath,
 )
 
 __all__ = ["Agent", "Finished"]
@@ -551,15 +552,7 @@ class Agent:
         return self._tell_abort(request_id, remote, links)
 
     def _tell_abort(self, request_id: str, remote, links) -> AbortOutcome:
-        if links is None and remote is not None:
-            try:
-                links = [link for group in self._links_for(remote) for link in group]
-            except KvxferError as exc:
-                log.warning("abort of %r at %s:%s: %s", request_id, remote[0], remote[1], exc)
-                return AbortOutcome.UNREACHABLE
-        if not links:
-            return AbortOutcome.NOT_TOLD
-        return AbortOutcome.combine([self._claims.abort_at(link, request_id) for link in links])
+        return tell_abort(self, request_id, remote, links)
 
     def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> KeepaliveResult:
         """Heartbeat: extend the producer's leases of requests still wanted, at every rank of the
@@ -576,26 +569,7 @@ class Agent:
             ClosedError: the agent is closed.
         """
         self._check_open()
-        beat = Heartbeat(list(request_ids), self.engine_id)
-        try:
-            links = [link for group in self._links_for(remote) for link in group]
-        except KvxferError as exc:
-            log.warning("keepalive at %s:%s: %s", remote[0], remote[1], exc)
-            return KeepaliveResult(unreachable=((remote[0], int(remote[1])),))
-        gone: set[str] = set()
-        unreachable: list[tuple[str, int]] = []
-        for link in links:
-            try:
-                ack = self._peers.call(link.host, link.port,
-                                       lambda lk: lk.ask(beat, self.config.handshake_timeout))
-            except ClosedError:
-                raise
-            except KvxferError as exc:
-                log.warning("keepalive at %s (%s:%d): %s", link.engine_id, link.host, link.port, exc)
-                unreachable.append((link.host, link.port))
-                continue
-            gone.update(ack.gone)
-        return KeepaliveResult(tuple(sorted(gone)), tuple(unreachable))
+        return send_keepalive(self, remote, request_ids)
 
     # ---- reporting -----------------------------------------------------------------
     def finished(self) -> Finished:
@@ -695,55 +669,8 @@ class Agent:
         geometry, spec = self._view.geometry, self.spec
         plan.unpack_numpy(staging, lambda layer, kv: host_view(int(geometry.bases[layer, kv]), spec.region_bytes))
 
-    def _on_notification(self, peer: str, data: bytes) -> None:
-        if self._kit is not None and self._kit.router.deliver(peer, data):
-            return  # a staged pipeline's message, routed to its transfer
-        try:
-            request_id, engine_id = decode_notification(data, self.config.auth_key)
-        except KvxferError as exc:
-            log.warning("dropping a bad notification from %s: %s", peer, exc)
-            return
-        if self._leases.done(request_id, engine_id) or self._leases.held(request_id):
-            return
-        self._reports.write_arrived(request_id, engine_id)
-
     def _progress_loop(self) -> None:
-        last_expire = 0.0
-        while not self._closed:
-            busy, moving = False, 0
-            try:
-                if self._engine is not None:
-                    # Spin only while bytes move: a request still claiming (on its lane) needs no
-                    # polls, and a spinning loop would take the interpreter from that lane.
-                    moving = self._engine.moving()
-                    busy = moving == 2
-                    if moving or self._engine.in_flight():
-                        self._engine.progress()
-                    if self._kit.router.active():
-                        busy = True  # pipelines wait on notifications: deliver them at once
-                        self._packer.reap()
-                for peer, data in self._backend.notifications():
-                    self._on_notification(peer, data)
-                now = self._clock.now()
-                if now - last_expire > 0.01:
-                    self._leases.expire()
-                    last_expire = now
-            except ClosedError:
-                return
-            except Exception:  # the loop must survive anything a peer can cause
-                log.exception("kvxfer progress loop")
-            if busy:
-                # UCX moves shared-memory data inside our polls: spin while transfers are in flight
-                if self.config.progress_interval:
-                    self._wake.wait(self.config.progress_interval)
-                else:
-                    time.sleep(0)
-            elif moving == 1:  # kernels or pipelines in flight: look again soon, not in a spin
-                self._wake.wait(0.0002)
-            else:
-                self._wake.wait(0.001 if len(self._leases) else 0.005)
-            self._wake.clear()
-
+        run_progress(self)
 
 @dataclass
 class _PendingAbort:

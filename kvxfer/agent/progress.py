@@ -1,0 +1,77 @@
+"""The agent's background thread: polls transfers, delivers notifications, expires leases (layer: agent).
+
+One per ``Agent`` (``kvxfer-<name>``). It completes handles whose bytes landed, drains failed
+requests, routes a staged pipeline's notifications and reports a consumer's write as arrived.
+It sleeps between passes unless bytes are moving: UCX moves shared-memory data inside the polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvxfer.errors import ClosedError, KvxferError
+from kvxfer.protocol import decode_notification
+
+if TYPE_CHECKING:
+    from kvxfer.agent.core import Agent
+
+__all__ = ["on_notification", "run_progress"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+def on_notification(agent: "Agent", peer: str, data: bytes) -> None:
+    """One backend notification: a staged pipeline's message, or a request-done notice."""
+    if agent._kit is not None and agent._kit.router.deliver(peer, data):
+        return  # a staged pipeline's message, routed to its transfer
+    try:
+        request_id, engine_id = decode_notification(data, agent.config.auth_key)
+    except KvxferError as exc:
+        log.warning("dropping a bad notification from %s: %s", peer, exc)
+        return
+    if agent._leases.done(request_id, engine_id) or agent._leases.held(request_id):
+        return
+    agent._reports.write_arrived(request_id, engine_id)
+
+
+def run_progress(agent: "Agent") -> None:
+    """The loop, until the agent closes."""
+    last_expire = 0.0
+    while not agent._closed:
+        busy, moving = False, 0
+        try:
+            engine = agent._engine
+            if engine is not None:
+                # Spin only while bytes move: a request still claiming (on its lane) needs no
+                # polls, and a spinning loop would take the interpreter from that lane.
+                moving = engine.moving()
+                busy = moving == 2
+                if moving or engine.in_flight():
+                    engine.progress()
+                if agent._kit.router.active():
+                    busy = True  # pipelines wait on notifications: deliver them at once
+                    agent._packer.reap()
+            for peer, data in agent._backend.notifications():
+                on_notification(agent, peer, data)
+            now = agent._clock.now()
+            if now - last_expire > 0.01:
+                agent._leases.expire()
+                last_expire = now
+        except ClosedError:
+            return
+        except Exception:  # the loop must survive anything a peer can cause
+            log.exception("kvxfer progress loop")
+        wake = agent._wake
+        if busy:
+            # UCX moves shared-memory data inside our polls: spin while transfers are in flight
+            if agent.config.progress_interval:
+                wake.wait(agent.config.progress_interval)
+            else:
+                time.sleep(0)
+        elif moving == 1:  # kernels or pipelines in flight: look again soon, not in a spin
+            wake.wait(0.0002)
+        else:
+            wake.wait(0.001 if len(agent._leases) else 0.005)
+        wake.clear()
