@@ -7,7 +7,7 @@ byte ranges and posts them. A write has no claim: the consumer asked for it (``e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +55,10 @@ def run_writes(agent: "Agent", remote: tuple[str, int], writes: list[PendingWrit
             head = agent._peers.get(remote[0], remote[1], timeout=timeout)
             parts = []
             for rank in range(head.spec.tp_size):
+                # The instance's ranks share the head's spec but for their rank: skip, without a
+                # handshake, every consumer rank that needs no head this rank holds.
+                if agent.spec.tp_rank not in peer_ranks(replace(head.spec, tp_rank=rank), agent.spec.tp_size):
+                    continue
                 link = head if rank == head.spec.tp_rank else agent._peers.get(remote[0], rank_port(head, rank),
                                                                                 timeout=timeout)
                 if agent.spec.tp_rank not in peer_ranks(link.spec, agent.spec.tp_size):

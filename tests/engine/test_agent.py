@@ -233,3 +233,21 @@ def test_duplicate_request_id_in_flight_is_refused(harness):
     from kvxfer import RequestInFlightError
     with pytest.raises(RequestInFlightError, match="already in flight"):
         cons.read(prod.address, [3], [2], "r")
+
+
+def test_a_write_contacts_only_the_consumer_ranks_that_need_its_heads(harness):
+    """Producer rank 1 of TP 2 pushes into a TP 2 consumer instance: its heads go to consumer rank 1
+    only, and consumer rank 0 is never handshaken (it may not even be up)."""
+    base = dict(num_kv_heads=4)
+    port = free_port()  # the consumer instance's ranks listen on port and port + 1
+    c1, cc1 = harness.agent(spec(tp_size=2, tp_rank=1, **base), seed=21, port=port)  # listens on port + 1
+    assert c1.address[1] == port + 1
+    prod, pc = harness.agent(spec(tp_size=2, tp_rank=1, **base), seed=22, listen=False)
+    c1.expect_writes("w")
+    # rank 0 of the instance (port) is not up: nothing may need it
+    prod.write(("127.0.0.1", port + 1), [3, 5], [6, 1], "w", timeout=5).wait(5)
+    assert wait_for(lambda: "w" in c1.finished().received)
+    for layer in range(3):
+        for kv in range(2):
+            np.testing.assert_array_equal(cc1[layer][kv][[6, 1]], pc[layer][kv][[3, 5]])
+    assert [link.spec.tp_rank for link in prod._peers.links()] == [1]
