@@ -3,9 +3,10 @@
 Run:  python3 benchmarks/kernel_sweep.py [--tokens 2048,8192] [--batch 1]
 """
 import argparse
-import statistics
 
 import numpy as np
+
+import launch_pieces  # beside this script: run it as python3 benchmarks/kernel_sweep.py
 
 from kvxfer.gpu.ops import PairKernel
 from kvxfer.layout.pairs import DirectTemplate
@@ -25,17 +26,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.cuda.set_device(0)
     stream = cp.cuda.Stream(non_blocking=True)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
 
     def gpu_us(fn) -> float:
-        out = []
-        for _ in range(15):
-            start.record(stream)
-            fn()
-            stop.record(stream)
-            stop.synchronize()
-            out.append(cp.cuda.get_elapsed_time(start, stop))
-        return statistics.median(out) * 1e3
+        return launch_pieces.gpu_us(cp, stream, fn, reps=15)
 
     for tokens in map(int, args.tokens.split(",")):
         blocks = tokens // 16 * args.batch

@@ -27,6 +27,19 @@ from kvxfer.types import MemKind
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")
 
 
+def gpu_us(cp, stream, fn, reps: int = 20) -> float:
+    """Median GPU time (us) of what ``fn`` enqueues on ``stream``, between two CUDA events."""
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    out = []
+    for _ in range(reps):
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        out.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(out) * 1e3
+
+
 def _med(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -99,21 +112,10 @@ def main() -> None:
         stream.synchronize()
         rows["  stream.synchronize (idle)"] = _med(stream.synchronize, args.reps)
         # GPU time of the kernel against one contiguous copy of the same bytes
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-
-        def gpu_ms(fn) -> float:
-            out = []
-            for _ in range(20):
-                start.record(stream)
-                fn()
-                stop.record(stream)
-                stop.synchronize()
-                out.append(cp.cuda.get_elapsed_time(start, stop))
-            return statistics.median(out) * 1e3
         a = cp.empty(copy.nbytes, dtype=cp.uint8)
         b = cp.empty(copy.nbytes, dtype=cp.uint8)
-        rows["GPU: pair-copy kernel"] = gpu_ms(lambda: kernel.launch(copy, stream.ptr))
-        rows["GPU: one contiguous copy"] = gpu_ms(lambda: cp.cuda.runtime.memcpyAsync(
+        rows["GPU: pair-copy kernel"] = gpu_us(cp, stream, lambda: kernel.launch(copy, stream.ptr))
+        rows["GPU: one contiguous copy"] = gpu_us(cp, stream, lambda: cp.cuda.runtime.memcpyAsync(
             b.data.ptr, a.data.ptr, copy.nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr))
         print(f"## {args.batch} x {tokens} tokens, {copy.nbytes / 2**20:.0f} MiB, {copy.n} pairs (us, medians)")
         for name, us in rows.items():
