@@ -415,8 +415,9 @@ class ReadFlow:
                 with agent._engine.posting([r.req]):
                     self._attach(r, parts, started=True)
             agent._engine.grant(r.req, claim_seconds=claimed)
-            r.req.handle.done()  # its bytes may be in already (an IPC kernel): complete it here
-            agent._wake.set()
+            if r.route.mode is not TransferPath.DIRECT:  # a direct read is posted below: nothing to poll yet
+                r.req.handle.done()  # its bytes may be in already (an IPC kernel): complete it here
+                agent._wake.set()
         if direct:
             self._post_direct_many(direct)
 

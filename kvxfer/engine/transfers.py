@@ -265,7 +265,8 @@ class TransferEngine:
             req.posted = True
             if not req.parts and req.error is None and req.granted:
                 self._succeed(req)
-        req.handle._nudge()  # a waiter may poll it now
+        if req.granted:
+            req.handle._nudge()  # a waiter may poll it now (not before its grant: nothing to poll)
         return True
 
     def grant(self, req: "_Request", claim_seconds: float = 0.0) -> None:
@@ -276,7 +277,8 @@ class TransferEngine:
             with req.lock:
                 if req.error is None:
                     self._succeed(req)
-        req.handle._nudge()  # a waiter may poll it now
+        if req.posted:
+            req.handle._nudge()  # a waiter may poll it now (not before its post: nothing to poll)
 
     @contextlib.contextmanager
     def posting(self, reqs: list["_Request"]):
