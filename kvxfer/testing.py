@@ -26,7 +26,18 @@ from kvxfer.layout import KVSpec
 from kvxfer.transport.memory import MemoryNetwork, MemoryTransport
 
 __all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "ProducerProcess", "expected_read",
-           "free_port_block", "logical_kv", "run_reporting", "serve_commands"]
+           "free_port_block", "logical_kv", "run_reporting", "serve_commands", "wait_for"]
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    """Poll ``pred`` every ``interval`` seconds until it holds (True) or ``timeout`` seconds pass
+    (then its last answer): for tests waiting on another thread or process."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
 
 
 def _ephemeral_low() -> int:

@@ -53,9 +53,11 @@ def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndar
     or any failure, takes the lists one by one, so an error names the offending id as
     ``check_block_ids`` does, in list order.
     """
+    if len(lists) <= 1:  # a lone read: nothing to batch
+        return [check_block_ids(side, ids, bound) for ids in lists]
     arrays = [np.asarray(ids) for ids in lists]
-    kind = arrays[0].dtype if arrays else None
-    if not arrays or any(a.ndim != 1 or a.dtype != kind for a in arrays) or kind.kind not in "iu":
+    kind = arrays[0].dtype
+    if any(a.ndim != 1 or a.dtype != kind for a in arrays) or kind.kind not in "iu":
         return [check_block_ids(side, ids, bound) for ids in lists]
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     flat = np.concatenate(arrays)

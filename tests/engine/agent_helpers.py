@@ -3,13 +3,12 @@ is ``kvxfer.testing.MemoryTransport`` (real sessions and codec, no sockets, no p
 the ZMQ transport itself asks for it with ``zmq=True``."""
 
 import itertools
-import time
 
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec
 from kvxfer.backend.fake import FakeBackend, FakeWorld
-from kvxfer.testing import MemoryNetwork, MemoryTransport
+from kvxfer.testing import MemoryNetwork, MemoryTransport, wait_for  # noqa: F401 - tests import it from here
 
 _names = itertools.count()
 
@@ -22,14 +21,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(pred, timeout: float = 5.0) -> bool:
-    """Poll ``pred`` every 5 ms until it holds (True) or ``timeout`` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return bool(pred())
 
 
 def spec(**kw) -> KVSpec:

@@ -15,7 +15,7 @@ import torch
 
 from kvxfer import Agent, AgentConfig, BlockIdError, RequestState
 from kvxfer.backend.fake import FakeBackend, FakeWorld
-from kvxfer.testing import MemoryNetwork, MemoryTransport
+from kvxfer.testing import MemoryNetwork, MemoryTransport, wait_for
 from kvxfer_transformers.params import RemotePrefill
 from kvxfer_transformers.pool import KVPool, ModelShape
 from kvxfer_transformers.settings import ServeSettings
@@ -23,15 +23,6 @@ from kvxfer_transformers.transfer import REAP_INTERVAL, LoadFailed, Transfers
 
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=8)
 BLOCKS = 8
-
-
-def _wait_for(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return bool(pred())
 
 
 @pytest.fixture
@@ -83,7 +74,7 @@ def test_quarantined_landing_blocks_return_to_the_pool_only_after_reclaimed(pair
     with pytest.raises(BlockIdError, match="quarantined"):   # kvxfer itself refuses a read into them
         transfers._agent.read(producer.address, quarantined[:1], [6], "p-2", timeout=1)
     backend.hold_transfers(False)              # the transfer ends: kvxfer reclaims the blocks
-    assert _wait_for(lambda: pool.free_blocks == BLOCKS)
+    assert wait_for(lambda: pool.free_blocks == BLOCKS)
     assert transfers.quarantined == [] and transfers._agent.status("p-1") is RequestState.RECLAIMED
 
 

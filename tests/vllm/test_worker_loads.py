@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec
-from kvxfer.testing import FakeBackend, FakeWorld, MemoryNetwork, MemoryTransport, free_port_block
+from kvxfer.testing import FakeBackend, FakeWorld, MemoryNetwork, MemoryTransport, free_port_block, wait_for
 from kvxfer_vllm.metadata import LoadOrder, StepOrders
 from kvxfer_vllm.settings import Settings
 from kvxfer_vllm.worker import KvxferWorker
@@ -74,7 +74,7 @@ def test_quarantined_load_is_reported_only_once_kvxfer_reclaims_its_blocks():
         worker = _worker(cons)
         worker.apply(StepOrders(loads=[LoadOrder("req-1", "r", "127.0.0.1", 7000, (3, 4), (1, 2))]))
         # The read times out (0.3 s) and, its transfer not ended after the grace, fails quarantined.
-        assert _wait(lambda: cons.stats().quarantined_blocks == 2, 5), cons.stats()
+        assert wait_for(lambda: cons.stats().quarantined_blocks == 2, 5), cons.stats()
         for _ in range(20):  # vLLM asks every step: nothing is reported while quarantined
             out = worker.collect()
             assert not out.recving and not out.failed_blocks, out
@@ -145,11 +145,3 @@ def test_a_silent_producer_delays_only_its_own_loads():
         frozen.close()
         peers.close()
 
-
-def _wait(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return bool(pred())
