@@ -330,33 +330,43 @@ def test_consumer_killed_mid_transfer_frees_the_hold_after_its_window(monkeypatc
 def test_second_read_or_write_of_a_request_in_flight_is_refused_and_the_first_stays_exact(
         big_producer, big_consumer):
     """An engine retry or a duplicated scheduler event: a second ``read`` (or ``write``) of a
-    request whose first transfer is moving is refused at once, before anything is sent, and
+    request whose first transfer is in flight is refused at once, before anything is sent, and
     changes nothing. The producer's hold ends only with the first read ("sent"), its engine reuses
-    the blocks the moment ``finished()`` lists them, and the first read is still exact."""
+    the blocks the moment ``finished()`` lists them, and the first read is still exact.
+
+    The producer is frozen from just before the first read until both second calls were made:
+    the first read's claim cannot be answered meanwhile, so it is surely still in flight (over
+    shared memory an unpaced read of these blocks could end before the second call)."""
     agent, cache = big_consumer
     big_producer.ask(("reset",))
+    agent.connect(*big_producer.address)  # the link is ready: the read needs the frozen peer only for its claim
     rng = np.random.default_rng(9)
     srcs, dsts = _disjoint(rng, TRIALS, 120, BIG["num_blocks"]), _disjoint(rng, TRIALS, 120, BIG["num_blocks"])
-    refused_in_flight = 0
     for trial, (src, dst) in enumerate(zip(srcs, dsts)):
         rid = f"twice-{trial}"
         want = big_producer.ask(("blocks", src.tolist()))
         big_producer.ask(("hold", rid, src.tolist(), None, True))
         fill(cache, dst)
-        first = agent.read(big_producer.address, dst, src, rid, timeout=20)
         other = np.setdiff1d(np.arange(BIG["num_blocks"]), np.concatenate([dst, src]))[:120]
-        with pytest.raises(RequestInFlightError, match=rid):
-            agent.read(big_producer.address, other, src, rid, timeout=20)
-        with pytest.raises(RequestInFlightError, match=rid):
-            agent.write(big_producer.address, other, src, rid, timeout=20)
-        refused_in_flight += not first.done()
+        other_before = blocks_of(cache, other)
+        freeze(big_producer.pid)
+        try:
+            first = agent.read(big_producer.address, dst, src, rid, timeout=20)
+            with pytest.raises(RequestInFlightError, match=rid):
+                agent.read(big_producer.address, other, src, rid, timeout=20)
+            with pytest.raises(RequestInFlightError, match=rid):
+                agent.write(big_producer.address, other, src, rid, timeout=20)
+            assert not first.done(), "the first read ended while its producer was frozen"
+        finally:
+            os.kill(big_producer.pid, signal.SIGCONT)
         first.wait(25)
         for got, exp in zip(blocks_of(cache, dst), want):
+            np.testing.assert_array_equal(got, exp)
+        for got, exp in zip(blocks_of(cache, other), other_before):  # the refused read wrote nothing
             np.testing.assert_array_equal(got, exp)
         assert wait_until(lambda: rid in big_producer.ask(("reused",)), 10)
         assert (rid, "sent") in big_producer.ask(("freed",)), big_producer.ask(("freed",))
         _check_no_late_bytes(agent, cache, dst)
-    assert refused_in_flight >= 1, "no second call came while the first read was in flight"
     # A write in flight, written twice: the second is refused and the first lands exactly.
     src, dst = srcs[0], dsts[0]
     first = agent.write(big_producer.address, src, dst, "write-twice", timeout=20)
