@@ -16,7 +16,7 @@ import numpy as np
 
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.errors import KvxferError, LeaseExpiredError, ProtocolError
-from kvxfer.protocol import Abort, Claim, ClaimBatch, Grant, Grants, Refuse, pack_ids
+from kvxfer.protocol import Abort, Claim, ClaimBatch, Grant, Grants, Refuse, pack_id_lists
 from kvxfer.types import AbortOutcome
 
 __all__ = ["Claims"]
@@ -54,8 +54,18 @@ class Claims:
         out: list[list] = [[] for _ in items]
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
+        packed: list | None = None  # the ids packed once for every rank that reads them so
+        listed: list | None = None
         for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
-            claims = [self._claim(link.info.packed_ids, *item) for item in items]
+            if link.info.packed_ids:
+                if packed is None:
+                    packed = [self._claim(rid, ids, window, p) for (rid, ids, window), p
+                              in zip(items, pack_id_lists([ids for _, ids, _ in items]))]
+                claims = packed
+            else:
+                if listed is None:
+                    listed = [self._claim(rid, ids, window, None) for rid, ids, window in items]
+                claims = listed
             if link.info.batch_claims and len(claims) > 1:
                 try:
                     shared = _SharedReply(link.send(ClaimBatch(claims), wait), len(claims))
@@ -73,11 +83,28 @@ class Claims:
                     sent.append((link, exc))
         return out
 
-    def _claim(self, packed: bool, request_id: str, remote_ids: np.ndarray, window: float) -> Claim:
-        """The claim of one request: ids packed for a current peer, listed for an older one."""
-        ids = pack_ids(remote_ids) if packed else None
-        if ids is not None:
-            return Claim(request_id, [], self._engine_id, window, ids)
+    def try_send_many(self, items: list[tuple[str, np.ndarray, float]], link: PeerLink,
+                      timeout: float) -> list[list] | None:
+        """``send_many`` to one rank, only where that cannot wait on the peer (``PeerLink.try_send``):
+        the ``sent`` lists, or None with nothing sent (then ``send_many`` does it)."""
+        packed = pack_id_lists([ids for _, ids, _ in items]) if link.info.packed_ids else [None] * len(items)
+        claims = [self._claim(rid, ids, window, p) for (rid, ids, window), p in zip(items, packed)]
+        batch = link.info.batch_claims and len(claims) > 1
+        if not batch and len(claims) > 1:
+            return None  # an older peer: one message per claim, sent by the lane
+        pending = link.try_send(ClaimBatch(claims) if batch else claims[0], timeout)
+        if pending is None:
+            return None
+        if not batch:
+            return [[(link, pending)]]
+        shared = _SharedReply(pending, len(claims))
+        return [[(link, _NthReply(shared, i))] for i in range(len(claims))]
+
+    def _claim(self, request_id: str, remote_ids: np.ndarray, window: float, packed: bytes | None) -> Claim:
+        """The claim of one request: ids ``packed`` for a current peer (``pack_ids``), listed for
+        an older one or where they do not pack (None)."""
+        if packed is not None:
+            return Claim(request_id, [], self._engine_id, window, packed)
         return Claim(request_id, remote_ids.tolist(), self._engine_id, window)
 
     def answers(self, request_id: str, sent: list) -> None:

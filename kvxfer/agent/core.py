@@ -8,6 +8,7 @@ polls transfers, notifications and lease expiry; every user-facing wait takes a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -160,7 +161,8 @@ class Agent:
         self._packer = PackServer(self._kit, self._view, self._leases, self.config.lease_timeout)
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
                                       staging_base=base, staging=staging, unpack=self._unpack,
-                                      on_reclaimed=self._reports.reclaimed)
+                                      on_reclaimed=self._reports.reclaimed, completion_scope=self._done.hold,
+                                      wake=self._wake.set)
 
     def listen(self) -> tuple[str, int]:
         """Start the side-channel listener; returns the bound (host, port). Idempotent and
@@ -345,8 +347,7 @@ class Agent:
         # the step's ids checked together (the same checks and errors as one by one)
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], self.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], _MAX_BLOCK_ID)
-        pending = [self._pending_read(rr, started, local, remote_ids)
-                   for rr, local, remote_ids in zip(requests, locals_, remotes)]
+        pending = self._pending_reads(requests, started, locals_, remotes)
         reqs = self._engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
                                          granted=False)
         handles = []
@@ -358,21 +359,14 @@ class Agent:
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
         for remote, reads in by_peer.items():
-            # Same-host kernel reads to a known producer are routed here and launched right after
-            # they are queued, while the lane sends their claims (no peer I/O on this thread);
-            # the gate keeps the lane from launching them too.
-            gate = threading.Lock()
-            inline = self._reads.route_inline(remote, reads)
-            if inline:
-                gate.acquire()
-            for read in reads:
-                read.gate = gate
+            # Same-host kernel reads to a known producer are routed and launched here (no peer
+            # I/O on this thread), and the claims to a known producer are sent here when that
+            # cannot wait on it, before the lane wakes: a lane woken first would take turns on the
+            # interpreter with this thread, and the claim would wait for the lane to wake.
+            if self._reads.route_inline(remote, reads):
+                self._reads.launch_inline(reads)
+            self._reads.claim_inline(remote, reads)
             self._lanes.put_many(remote, reads)
-            if inline:
-                try:
-                    self._reads.launch_inline(reads)
-                finally:
-                    gate.release()
         for read in pending:  # after the launch: a handle already complete runs them here, at once
             handle = read.req.handle
             handle.add_done_callback(self._on_read_done)
@@ -382,20 +376,39 @@ class Agent:
         self._wake.set()
         return handles
 
-    def _pending_read(self, rr: ReadRequest, started: float, local: np.ndarray, remote_ids: np.ndarray) -> PendingRead:
-        """Check one request's other arguments (raises at once) and make its lane item (its ids
-        were checked: ``check_block_id_lists``)."""
-        timeout = self.config.transfer_timeout if rr.timeout is None else rr.timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
-        remote = _address(rr.remote)
+    def _pending_reads(self, requests: Sequence[ReadRequest], started: float, locals_: list,
+                       remotes: list) -> list[PendingRead]:
+        """Check the requests' other arguments (raises at once) and make their lane items (their
+        ids were checked: ``check_block_id_lists``). A step's requests share one clock reading
+        and, mostly, one producer address and one timeout: those are worked out once."""
+        now = self._clock.now()
         # The read's window starts now, before any claim is sent: the producer counts the same
         # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
-        deadline = None if timeout is None else self._clock.now() + timeout
-        note = encode_notification(rr.request_id, self.engine_id, self.config.auth_key)
-        return PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
-                           same_format=bool(rr.same_format))
+        deadlines: dict = {}
+        addresses: dict = {}
+        engine_id, key = self.engine_id, self.config.auth_key
+        out = []
+        for rr, local, remote_ids in zip(requests, locals_, remotes):
+            timeout = self.config.transfer_timeout if rr.timeout is None else rr.timeout
+            plain = timeout is None or type(timeout) in (int, float)
+            deadline = deadlines.get(timeout, _UNSET) if plain else _UNSET
+            if deadline is _UNSET:
+                if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                            or not timeout > 0):
+                    raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
+                deadline = None if timeout is None else now + timeout
+                if plain:
+                    deadlines[timeout] = deadline
+            try:
+                remote = addresses[rr.remote]
+            except (KeyError, TypeError):
+                remote = _address(rr.remote)
+                with contextlib.suppress(TypeError):
+                    addresses[rr.remote] = remote
+            note = encode_notification(rr.request_id, engine_id, key)
+            out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
+                                   same_format=bool(rr.same_format)))
+        return out
 
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
               timeout: float | None = None) -> TransferHandle:
@@ -679,6 +692,9 @@ class _PendingAbort:
     request_id: str
     remote: tuple[str, int] | None
     links: list | None
+
+
+_UNSET = object()
 
 
 def _address(remote) -> tuple[str, int]:

@@ -20,7 +20,9 @@ GPU paths need fields it does not send), so this is the notify-only replicas' no
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from typing import Callable
 
 from kvxfer.agent.lanes import PeerLanes
@@ -56,13 +58,41 @@ class DoneSender:
                  notify: Callable[[object, str], None] | None = None) -> None:
         self._engine_id, self._ask, self._notify = engine_id, ask, notify
         self._lanes = PeerLanes("kvxfer-done", self._run)
+        self._held = threading.local()
 
     def send(self, link, request_id: str) -> None:
-        """Queue a notice to ``link``'s producer rank (never blocks)."""
+        """Queue a notice to ``link``'s producer rank (never blocks); inside ``hold``, at its end."""
+        held = getattr(self._held, "items", None)
+        if held is not None:
+            held.append((link, request_id))
+            return
+        self._put((link.host, link.port), [(link, request_id)])
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep this thread's notices until the block ends, then queue them together: a pass that
+        completes a step's requests wakes each producer rank's lane once, after its last one,
+        instead of waking it at the first while it still completes the others. Nests."""
+        if getattr(self._held, "items", None) is not None:
+            yield
+            return
+        self._held.items = items = []
         try:
-            self._lanes.put((link.host, link.port), (link, request_id))
+            yield
+        finally:
+            self._held.items = None
+            by_rank: dict[tuple, list] = {}
+            for link, request_id in items:
+                by_rank.setdefault((link.host, link.port), []).append((link, request_id))
+            for key, notices in by_rank.items():
+                self._put(key, notices)
+
+    def _put(self, key: tuple, notices: list) -> None:
+        try:
+            self._lanes.put_many(key, notices)
         except RuntimeError:
-            log.debug("done notice of %r after close: dropped (its lease will expire)", request_id)
+            log.debug("done notices of %s after close: dropped (their leases will expire)",
+                      [request_id for _, request_id in notices])
 
     def _run(self, _key, items: list) -> None:
         """The notices queued for one producer rank's address: those to one link (one engine)

@@ -97,6 +97,17 @@ class PeerLink:
         self._check_ready()
         return PendingAnswer(self, message, self.client.send(self.session.request(message), timeout))
 
+    def try_send(self, message, timeout: float) -> "PendingAnswer | None":
+        """``send`` only where it cannot wait on the peer (``SideChannelClient.try_send``): None
+        when it would, or when the link is not ready, with nothing sent."""
+        if self.closed or self.session.state is not SessionState.READY:
+            return None
+        try:
+            pending = self.client.try_send(self.session.request(message), timeout)
+        except KvxferError:  # e.g. a frame too large: ``send`` meets it again and reports it
+            return None
+        return None if pending is None else PendingAnswer(self, message, pending)
+
     def close(self) -> None:
         self.closed = True
         self.client.close()

@@ -16,8 +16,12 @@ takes everything queued for the producer at once:
    until its kernel has passed.
 
 When every rank's link is already handshaken, steps 2 and 3 run on the caller's thread inside
-``read_many`` (``start_inline``: no peer I/O, so the call still cannot block on a peer), and the
-lane takes over at step 4: the kernel then runs while the lane wakes up and the claim travels.
+``read_many`` (``route_inline``, ``launch_inline``: no peer I/O, so the call still cannot block
+on a peer), for the whole step at once (one check over all of its ids, one route), and only then
+is the lane woken for step 4: the kernel runs while the lane wakes up and the claim travels.
+Waking the lane first would have it take turns on the interpreter with the launch. Once the
+kernel of a step has passed, polling any one of its granted reads completes all of them
+(``TransferEngine._poke``), and their ``Done`` notices go as one message per producer rank.
 
 Why an IPC move may start before its grant, even before its claim leaves: the producer places
 its hold before it publishes the ids, and frees a request's blocks only after its hold ended; a
@@ -33,9 +37,7 @@ where waiting costs one round trip and leaves nothing behind.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -80,7 +82,6 @@ class PendingRead:
     sent_error: KvxferError | None = None  # why the claim could not be sent
     claim_started: float = 0.0
     launched: object = None                # the route its IPC kernel was launched for
-    gate: threading.Lock | None = None     # held while its route and launch change (caller or lane)
 
     @property
     def live(self) -> bool:
@@ -127,16 +128,6 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-@contextlib.contextmanager
-def _gates(reads: list[PendingRead]):
-    """Hold the gates of ``reads`` (one per ``read_many`` call and producer), in one order."""
-    gates = {id(r.gate): r.gate for r in reads if r.gate is not None}
-    with contextlib.ExitStack() as stack:
-        for key in sorted(gates):
-            stack.enter_context(gates[key])
-        yield
-
-
 class _Joined:
     """Several requests' descriptor rows to one producer rank, as one plan (``DirectJob`` posts it)."""
 
@@ -157,7 +148,7 @@ class ReadFlow:
     # ---- the lane's batch ---------------------------------------------------------
     def route_inline(self, remote: tuple[str, int], reads: list[PendingRead]) -> bool:
         """Step 2 on the caller's thread when every link is ready and the same-host kernel serves
-        the reads (see the module doc); True when it did (then ``launch_inline`` follows, while
+        the reads (see the module doc); True when it did (then ``launch_inline`` follows, and
         the lane sends the claims). Never blocks on a peer."""
         agent = self._agent
         # Only where the kernel serves the reads: other paths start after the grant anyway, and
@@ -169,22 +160,72 @@ class ReadFlow:
                 or any(agent._kit.ipc_why(link) is not None for link in ready[0]):
             return False
         try:
-            for r in reads:
-                if r.live:
-                    self._route(r, ready[0])
+            self._route_step([r for r in reads if r.live], ready[0])
         except Exception as exc:  # noqa: BLE001 - fail what it left; the lane skips failed reads
             log.exception("kvxfer: routing reads to %s:%d", *remote)
             self.crashed(reads, exc)
         return True
 
+    def _route_step(self, reads: list[PendingRead], links: list) -> None:
+        """Route a step's reads to one producer at once: the kernel path's checks (the layout
+        plan, the remote ids' bound) run once over all their ids, and every read shares the one
+        route (the kernel path keeps nothing per request in it). Where that check fails, each
+        read is routed on its own, so each gets its own error."""
+        agent = self._agent
+        plain = [r for r in reads if not r.same_format]
+        for r in reads:
+            if r.same_format:
+                self._route(r, links)
+        if len(plain) < 2:
+            for r in plain:
+                self._route(r, links)
+            return
+        try:
+            route = plan_read(agent._kit, agent.config.transfer_path, agent._require_cache(), links,
+                              np.concatenate([r.local for r in plain]), np.concatenate([r.remote_ids for r in plain]),
+                              plain[0].request_id, plain[0].note, agent.config.allow_conversion)
+        except KvxferError:
+            route = None
+        local_block = agent.spec.block_size
+        remote_blocks = {link.spec.block_size for link in links}
+        for r in plain:
+            tokens = r.local.size * local_block
+            if route is not None and route.mode is TransferPath.IPC \
+                    and all(r.remote_ids.size * b == tokens for b in remote_blocks):
+                r.route = route
+            else:
+                self._route(r, links)
+
     def launch_inline(self, reads: list[PendingRead]) -> None:
-        """Step 3 on the caller's thread, under the reads' gate (held by the caller)."""
+        """Step 3 on the caller's thread, before the reads are queued on their lane."""
         try:
             self._launch_ipc([r for r in reads if r.live and r.route is not None
                               and r.route.mode is TransferPath.IPC and not r.launched])
         except Exception as exc:  # noqa: BLE001
             log.exception("kvxfer: launching reads")
             self.crashed(reads, exc)
+
+    def claim_inline(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
+        """Step 4's claim sent on the caller's thread, where that cannot wait on the peer: the
+        producer (one rank to claim from) is handshaken, and its express lane takes the message
+        now (``Claims.try_send_many``). The claim then travels while the lane thread wakes up;
+        otherwise the lane sends it. Nothing here raises or blocks."""
+        agent = self._agent
+        live = [r for r in reads if r.live and r.sent is None]
+        ready = ready_links(agent._peers, agent.spec, remote) if live else None
+        if ready is None or len(ready[0]) + len(ready[1]) != 1:
+            return
+        try:
+            wait = self._time_left(live)
+            sent = agent._claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in live],
+                                               (ready[0] + ready[1])[0], wait)
+        except KvxferError:
+            return  # the lane's own send meets it again and handles it
+        if sent is None:
+            return
+        started = time.perf_counter()
+        for r, answer in zip(live, sent):
+            r.claim_started, r.sent = started, answer
 
     def run(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
         """Carry out ``reads`` (all to ``remote``); every one ends on its handle, typed."""
@@ -199,15 +240,17 @@ class ReadFlow:
                 self._fail_all(pending, exc)
                 return
             stale = [r for r in pending if r.route is not None and not _same(r.route.links, links)]
-            if stale:  # routed on links replaced since: again (a kernel is launched again below)
-                with _gates(stale):
-                    for r in stale:
-                        r.route = None
+            for r in stale:  # routed on links replaced since: again (a kernel is launched again below)
+                r.route = None
             routed = [r for r in pending if r.route is not None or self._route(r, links)]
+            kept = {id(r) for r in routed}
+            for r in pending:  # claimed on the caller's thread, then failed routing: give it back
+                if r.sent is not None and id(r) not in kept:
+                    self._agent._claims.undo(r.request_id, r.sent)
+                    r.sent = None
             if not routed:
                 return
-            # The claims go out now: the caller's thread may still be launching these reads.
-            lost = self._claim(routed, links + notify_only)
+            lost = self._claim([r for r in routed if r.sent is None], links + notify_only)
             if lost and attempt == 1:
                 for link in links + notify_only:
                     self._agent._peers.drop(link)
@@ -215,10 +258,8 @@ class ReadFlow:
                 for r in lost:
                     self._fail(r, r.sent_error)
             sent = [r for r in routed if r not in lost]
-            with _gates(sent):  # the caller's launch, if any, is over
-                # a kernel launched again on fresh links runs after the first one (one stream)
-                self._launch_ipc([r for r in sent if r.route.mode is TransferPath.IPC
-                                  and r.launched is not r.route])
+            # a kernel launched again on fresh links runs after the first one (one stream)
+            self._launch_ipc([r for r in sent if r.route.mode is TransferPath.IPC and r.launched is not r.route])
             self._send_packs(sent)
             self._settle(sent, links)
             pending = [r for r in lost if r.live] if attempt == 1 else []
@@ -262,7 +303,7 @@ class ReadFlow:
             errors = [p for _, p in sent if isinstance(p, PeerLostError)]
             if errors:
                 claims.undo(r.request_id, [(lk, p) for lk, p in sent if not isinstance(p, KvxferError)])
-                r.sent_error = errors[0]
+                r.sent, r.sent_error = None, errors[0]  # claimed again on fresh links, or failed
                 lost.append(r)
         return lost
 
@@ -301,6 +342,7 @@ class ReadFlow:
             total = sum(c.nbytes for c in copies)
             shared = SharedJob(IpcJob(launches, event, total, len(copies)), members=len(live) * len(links))
             tokens = np.array([r.local.size for r in live], dtype=np.float64)
+            group = [r.req for r in live]
             for r, share in zip(live, tokens / tokens.sum()):
                 parts = [Part(link.agent_name, None, link.view.geometry.kind, r.note,
                               job=shared.member(int(round(c.nbytes * share)), 1))
@@ -308,7 +350,7 @@ class ReadFlow:
                 for link, part in zip(links, parts):
                     part.on_done = partial(agent._done.send, link, r.request_id)
                 r.launched = r.route
-                self._attach(r, parts, started=True)
+                self._attach(r, parts, started=True, group=group)
 
     def _post_direct_many(self, reads: list[PendingRead]) -> None:
         """Post granted direct reads: each producer rank's share of all of them in one backend
@@ -363,7 +405,7 @@ class ReadFlow:
             if not self._attach(r, parts, started=False):
                 agent._claims.give_back(r.request_id)  # not posted (failed meanwhile): no read comes
 
-    def _attach(self, r: PendingRead, parts: list, started: bool) -> bool:
+    def _attach(self, r: PendingRead, parts: list, started: bool, group: list | None = None) -> bool:
         agent = self._agent
         route = r.route
         done_links = list(route.links) if route.chunked else []
@@ -372,7 +414,7 @@ class ReadFlow:
             r.req.on_success = lambda: [agent._done.send(link, r.request_id) for link in done_links]
         mode = None if route.mode is TransferPath.DIRECT else route.mode
         return agent._engine.attach(r.req, parts, mode=mode, setup_seconds=time.perf_counter() - r.started,
-                                    started=started)
+                                    started=started, group=group)
 
     def _notify_only(self, r: PendingRead) -> list:
         return [link for link, _ in (r.sent or ()) if link not in r.route.links]
@@ -383,6 +425,7 @@ class ReadFlow:
         claims = agent._claims
         previous = None  # the batch's last staged read started
         direct: list[PendingRead] = []  # granted direct reads: posted together after the answers
+        kernels: dict[int, PendingRead] = {}  # a granted IPC read per launch: polled once, below
         for r in reads:
             if r.sent is None:  # failed before its claim went out
                 continue
@@ -415,9 +458,16 @@ class ReadFlow:
                 with agent._engine.posting([r.req]):
                     self._attach(r, parts, started=True)
             agent._engine.grant(r.req, claim_seconds=claimed)
-            if r.route.mode is not TransferPath.DIRECT:  # a direct read is posted below: nothing to poll yet
-                r.req.handle.done()  # its bytes may be in already (an IPC kernel): complete it here
-                agent._wake.set()
+            if r.route.mode is TransferPath.STAGED:
+                r.req.handle.done()
+            elif r.route.mode is TransferPath.IPC:
+                kernels[id(r.req.group) if r.req.group is not None else id(r)] = r
+        # An IPC read's bytes may be in already: poll one read per launch, which completes every
+        # granted read of that launch whose kernel passed (``TransferEngine._poke``).
+        for r in kernels.values():
+            r.req.handle.done()
+        if kernels or previous is not None:
+            agent._wake.set()
         if direct:
             self._post_direct_many(direct)
 

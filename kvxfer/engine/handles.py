@@ -70,8 +70,9 @@ class TransferHandle:
 
     Threads: every method may be called from any thread. Done-callbacks run on the thread that
     completes the handle (the agent's progress thread, or a thread inside ``done``/``wait``/
-    ``await``), or at once on the caller's thread in ``add_done_callback`` when it is already
-    complete; keep them short and non-blocking. A callback that raises is logged (logger
+    ``await``, possibly one polling another request of the same step: see
+    ``TransferEngine._poke``), or at once on the caller's thread in ``add_done_callback`` when it
+    is already complete; keep them short and non-blocking. A callback that raises is logged (logger
     ``kvxfer``, with its traceback) and the later callbacks run anyway.
     """
 
@@ -92,6 +93,12 @@ class TransferHandle:
         # the condition is made by the first waiter that needs it
         self._moved: threading.Condition | None = None
         self._generation = 0
+        # Waiters polling the request themselves now (``wait``): the progress thread leaves a
+        # kernel's or pipeline's request to them, so two threads do not take turns on the
+        # interpreter to watch one event; ``_unwatched`` (set by the engine) is called when the
+        # last one stops.
+        self._watched = 0
+        self._unwatched: Callable[[], None] | None = None
 
     # ---- engine side -----------------------------------------------------------
     def _finish(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> bool:
@@ -173,31 +180,42 @@ class TransferHandle:
         """
         end = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         spin_until = None
-        while not self._finished:
-            poke = self._poke
-            if poke is None:
-                break
-            generation = self._generation
-            # poke() is False while the request is not yet posted or granted: its bytes cannot
-            # count yet, and spinning would only take the interpreter from the thread claiming
-            # it; sleep until the engine moves it on. Once it may complete, poll it here for a
-            # moment: completing it on this thread saves waking this one from another.
-            pollable = poke()
-            now = time.monotonic()
-            if self._finished or (end is not None and now >= end):
-                break
-            if pollable is False:
+        try:
+            while not self._finished:
+                poke = self._poke
+                if poke is None:
+                    break
+                generation = self._generation
+                # poke() is False while the request is not yet posted or granted: its bytes cannot
+                # count yet, and spinning would only take the interpreter from the thread claiming
+                # it; sleep until the engine moves it on. Once it may complete, poll it here for a
+                # moment: completing it on this thread saves waking this one from another.
+                pollable = poke()
+                now = time.monotonic()
+                if self._finished or (end is not None and now >= end):
+                    break
+                if pollable is False:
+                    with self._lock:
+                        if self._moved is None:
+                            self._moved = threading.Condition(self._lock)
+                        if self._generation == generation and not self._finished:
+                            self._moved.wait(None if end is None else end - now)
+                    continue
+                if spin_until is None:
+                    spin_until = now + SPIN_SECONDS
+                    with self._lock:
+                        self._watched += 1
+                if now >= spin_until:
+                    break
+                time.sleep(0)
+        finally:
+            if spin_until is not None:
                 with self._lock:
-                    if self._moved is None:
-                        self._moved = threading.Condition(self._lock)
-                    if self._generation == generation and not self._finished:
-                        self._moved.wait(None if end is None else end - now)
-                continue
-            if spin_until is None:
-                spin_until = now + SPIN_SECONDS
-            if now >= spin_until:
-                break
-            time.sleep(0)
+                    self._watched -= 1
+                    hand_back = not self._watched and not self._finished
+                unwatched = self._unwatched
+                if hand_back and unwatched is not None:
+                    unwatched()  # the progress thread polls it again from now on
         left = None if end is None else max(0.0, end - time.monotonic())
         if not self._wait_latch(left):
             raise WaitTimeout(f"request {self.request_id!r} not complete within {timeout} s (only the wait ran "

@@ -104,6 +104,8 @@ class _Request:
     posted: bool = False                    # its parts are attached (``attach``); before that it waits
     granted: bool = True                    # its producers granted the claim (``grant``); success waits for it
     all_done_at: float | None = None        # engine-clock time every part was first seen done
+    group: list | None = None               # the requests sharing its job (one launch for a step)
+    self_moving: bool = False               # every part moves its own bytes (a kernel, a pipeline)
     stats: TransferStats = field(init=False)
     # One poller at a time; the poster holds it from before it launches until ``attach``, so the
     # request cannot end (deadline, cancel) between a launch and the engine owning what it launched.
@@ -128,6 +130,21 @@ class EngineCounts:
     quarantined_blocks: int  # local blocks of failed requests still not confirmed ended
 
 
+def _watched(req: _Request, groups: dict[int, bool]) -> bool:
+    """Whether a waiter polls ``req`` now, or another request of its group (one job for all of
+    them: polling one observes it for all); only for jobs that move their own bytes, whose polls
+    only observe them. ``groups`` caches the answer per group for one pass."""
+    if not req.self_moving or req.error is not None:
+        return False
+    group = req.group
+    if group is None:
+        return req.handle._watched > 0
+    seen = groups.get(id(group))
+    if seen is None:
+        seen = groups[id(group)] = any(r.handle._watched for r in group)
+    return seen
+
+
 class TransferEngine:
     """Tracks in-flight requests over one backend. Thread-safe; ``progress`` is called by one
     thread, and a request's waiter may poll that request too (``TransferHandle.wait``).
@@ -141,18 +158,27 @@ class TransferEngine:
         drain_grace: seconds past a failed request's deadline (or its failure, if later) that
             its handle waits for the backend to confirm its transfers ended.
         on_reclaimed: ``(request_id)`` when a quarantined request's blocks are free again.
+        completion_scope: a context manager factory wrapped around each pass that may complete
+            several requests (a progress pass, a waiter's poll of a step): the agent defers the
+            pass's completion notices there and sends them together.
+        wake: called when the progress thread should poll again soon (a waiter that was polling
+            its request stopped doing so).
     """
 
     def __init__(self, backend: Backend, local_kind: MemKind, *, clock: Clock | None = None,
                  staging_base: int = 0, staging: StagingAllocator | None = None,
                  unpack: Callable[[object, int], None] | None = None, drain_grace: float = 0.25,
-                 on_reclaimed: Callable[[str], None] | None = None) -> None:
+                 on_reclaimed: Callable[[str], None] | None = None,
+                 completion_scope: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
         self._backend = backend
         self._kind = local_kind
         self._clock = clock or MonotonicClock()
         self._area = StagingBuffer(staging_base, staging, unpack) if staging is not None and unpack else None
         self._grace = drain_grace
         self._on_reclaimed = on_reclaimed or (lambda request_id: None)
+        self._scope = completion_scope or contextlib.nullcontext
+        self._wake = wake or (lambda: None)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}   # posted, not yet ended (draining included)
         self._quarantine: dict[str, _Request] = {}  # handle failed, transfers not confirmed ended
@@ -227,10 +253,11 @@ class TransferEngine:
                 self._requests[req.handle.request_id] = req
         for req in reqs:
             req.handle._poke = partial(self._poke, req)
+            req.handle._unwatched = self._wake
         return reqs
 
     def attach(self, req: "_Request", parts: list[Part], *, mode: TransferPath | None = None,
-               setup_seconds: float = 0.0, started: bool = False) -> bool:
+               setup_seconds: float = 0.0, started: bool = False, group: list | None = None) -> bool:
         """Give a reserved request its parts and post those not yet running.
 
         ``started``: the parts' jobs are already running (an IPC kernel launched, a NIXL
@@ -238,6 +265,8 @@ class TransferEngine:
         request ends only once they have (no byte lands after its handle ended). Otherwise, if
         the request already failed (cancelled, timed out), nothing is posted and False is
         returned. Returns False also when posting failed (the request then fails with the error).
+        ``group``: the requests sharing these parts' job (a step's one launch); polling one that
+        completes also completes those of them that may (``_poke``).
         """
         if mode is None:
             staged = any(p.job is None and p.plan.staging_bytes for p in parts)
@@ -249,6 +278,7 @@ class TransferEngine:
                         part.job.cancel()
                 return False
             req.parts = list(parts)
+            req.group = group
             req.started = time.perf_counter()  # ``seconds`` runs from the post (``setup_seconds`` before it)
             req.mode = req.stats.mode = mode
             req.count_parts()
@@ -263,6 +293,7 @@ class TransferEngine:
                 req.posted = True
                 return False
             req.posted = True
+            req.self_moving = bool(req.parts) and all(getattr(p.job, "moves_itself", False) for p in req.parts)
             if not req.parts and req.error is None and req.granted:
                 self._succeed(req)
         if req.granted:
@@ -333,11 +364,24 @@ class TransferEngine:
             return {rid: r.blocks.tolist() for rid, r in self._quarantine.items()}
 
     def progress(self) -> None:
-        """Poll every in-flight part once; complete, fail, drain or time out requests."""
+        """Poll every in-flight part once; complete, fail, drain or time out requests. A request
+        whose waiter polls it (``TransferHandle.wait``) is left to that waiter."""
         with self._lock:
             requests = list(self._requests.values())
             quarantined = list(self._quarantine.values())
+        with self._scope():
+            self._progress(requests)
+        for req in quarantined:
+            if self._end_parts(req, wait=False):
+                with self._lock:
+                    self._quarantine.pop(req.handle.request_id, None)
+                self._on_reclaimed(req.handle.request_id)
+
+    def _progress(self, requests: list[_Request]) -> None:
+        groups: dict[int, bool] = {}
         for req in requests:
+            if _watched(req, groups):
+                continue  # a waiter polls it or its group (a kernel or pipeline: polls only observe it)
             # Never wait on a request's lock: its poster may be launching it (a slow peer's post
             # must not hold up the others); it is polled on the next pass.
             if not req.lock.acquire(blocking=False):
@@ -360,32 +404,37 @@ class TransferEngine:
                     self._drain(req)
             finally:
                 req.lock.release()
-        for req in quarantined:
-            if self._end_parts(req, wait=False):
-                with self._lock:
-                    self._quarantine.pop(req.handle.request_id, None)
-                self._on_reclaimed(req.handle.request_id)
 
     def _poke(self, req: _Request) -> bool:
         """Poll ``req`` once from its waiter's thread; nothing if another thread is polling it.
+        When it completes, the requests of its group (a step's launch) that may complete are
+        polled too, in the same pass: one waiter completes the step.
 
         Returns False while polling cannot complete it yet (not posted, or not granted): a waiter
         then sleeps instead of spinning. A failure is recorded here and drained by the progress
         thread, like one it found."""
         if not req.posted or not req.granted:
             return False
+        with self._scope():
+            self._poll_once(req)
+            if req.finished and req.group:
+                for other in req.group:
+                    if not other.finished and other.posted and other.granted and other.error is None:
+                        self._poll_once(other)
+        return True
+
+    def _poll_once(self, req: _Request) -> None:
         if not req.lock.acquire(blocking=False):
-            return True
+            return
         try:
             if req.finished or req.error is not None or self._closed:
-                return True
+                return
             try:
                 self._poll(req)
             except KvxferError as exc:
                 self._fail(req, exc)
             except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
                 pass
-            return True
         finally:
             req.lock.release()
 
@@ -399,8 +448,9 @@ class TransferEngine:
             if self._quarantine:
                 return 2
         level = 0
+        groups: dict[int, bool] = {}
         for req in requests:
-            if not req.posted:
+            if not req.posted or _watched(req, groups):
                 continue
             for part in req.parts:
                 if getattr(part.job, "moves_itself", False):

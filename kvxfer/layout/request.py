@@ -62,10 +62,17 @@ def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndar
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     flat = np.concatenate(arrays)
     if flat.size:
-        owner = np.repeat(np.arange(len(arrays)), sizes)
-        order = np.lexsort((flat, owner))
-        ids, who = flat[order], owner[order]
-        if ids.min() < 0 or ids.max() >= bound or np.any((ids[1:] == ids[:-1]) & (who[1:] == who[:-1])):
+        if flat.min() < 0 or flat.max() >= bound:
+            return [check_block_ids(side, ids, bound) for ids in lists]  # raises, naming the id
+        owner = np.repeat(np.arange(len(arrays), dtype=np.int64), sizes)
+        if bound * len(arrays) < 2**62:  # one sort key: (list, id) as one integer
+            keys = np.sort(owner * bound + flat.astype(np.int64, copy=False))
+            repeated = bool((keys[1:] == keys[:-1]).any())
+        else:
+            order = np.lexsort((flat, owner))
+            ids, who = flat[order], owner[order]
+            repeated = bool(np.any((ids[1:] == ids[:-1]) & (who[1:] == who[:-1])))
+        if repeated:
             return [check_block_ids(side, ids, bound) for ids in lists]  # raises, naming the id
     return [a.astype(np.int64, copy=False) if a.size else np.zeros(0, dtype=np.int64) for a in arrays]
 

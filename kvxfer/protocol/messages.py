@@ -221,6 +221,18 @@ def pack_ids(ids: np.ndarray) -> bytes | None:
     return ids.astype(PACKED_ID, copy=False).tobytes()
 
 
+def pack_id_lists(lists: list[np.ndarray]) -> list[bytes | None]:
+    """``pack_ids`` of each array, in one pass over all of them (an engine step's claims)."""
+    if len(lists) < 2:
+        return [pack_ids(ids) for ids in lists]
+    flat = np.concatenate(lists)
+    if flat.size and int(flat.max()) >= 1 << 32:
+        return [pack_ids(ids) for ids in lists]
+    packed = flat.astype(PACKED_ID, copy=False).tobytes()
+    ends = np.cumsum([ids.size for ids in lists]) * PACKED_ID.itemsize
+    return [packed[start:end] for start, end in zip([0, *ends[:-1].tolist()], ends.tolist())]
+
+
 def claim_blocks(msg: Claim) -> bytes | list[int]:
     """The block ids ``msg`` names: its packed bytes (``PACKED_ID`` each) or its list.
 

@@ -38,6 +38,9 @@ __all__ = ["ATTACH", "ATTACHED", "HEADER", "ExpressLane", "FrameReader", "frame"
 HEADER = struct.Struct(">IQ")  # payload length, request id
 ATTACH = b"KVXA"
 ATTACHED = ATTACH + b"\x01"
+#: Seconds ``try_send`` may wait to finish a frame the socket took only part of; past it the peer
+#: is taken as not reading and the lane fails (its requests get ``PeerLostError``).
+TRY_SEND_REST = 0.05
 _RECV_BYTES = 1 << 16  # below malloc's mmap threshold: a larger recv buffer costs a map and unmap per call
 
 
@@ -156,28 +159,60 @@ class ExpressLane:
             raise
         return LanePending(self, request_id, timeout, deadline)
 
+    def try_send(self, payload: bytes, timeout: float) -> "LanePending | None":
+        """``send``, only if that cannot wait: None, with nothing written, when another thread is
+        sending on the lane, the lane has failed, or the socket takes no byte now. Once the first
+        bytes are in the socket the rest of the frame must follow: that is ``send``'s loop, which
+        waits only if the socket filled up in between (a peer that stopped reading)."""
+        if len(payload) > self._max or not self._send_lock.acquire(blocking=False):
+            return None
+        try:
+            with self._state:
+                if self._error is not None:
+                    return None
+                request_id = next(self._ids)
+                self._waiting.add(request_id)
+            data = frame(request_id, payload)
+            try:
+                sent = self._sock.send(data, socket.MSG_DONTWAIT)
+            except (BlockingIOError, OSError):
+                sent = 0  # nothing written: ``send`` (on another thread) meets the same and reports it
+            if not sent:
+                with self._state:
+                    self._waiting.discard(request_id)
+                return None
+            deadline = time.monotonic() + timeout
+            if sent < len(data):  # rare (a socket nearly full): finish it, but never wait long here
+                self._send_rest(memoryview(data)[sent:], min(deadline, time.monotonic() + TRY_SEND_REST))
+        finally:
+            self._send_lock.release()
+        return LanePending(self, request_id, timeout, deadline)
+
     def _send_all(self, data: bytes, deadline: float) -> None:
         if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
             raise TransferTimeoutError(f"express lane {self.endpoint}: another send held the lane")
         try:
-            view = memoryview(data)
-            while view:
-                try:
-                    view = view[self._sock.send(view, socket.MSG_DONTWAIT):]
-                    continue
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    self._fail(PeerLostError(f"express lane {self.endpoint}: cannot send: {exc}"))
-                    raise _again(self._error) from None
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([], [self._sock], [], left)[1]:
-                    # a partly sent frame leaves the stream unusable: the lane ends here
-                    self._fail(PeerLostError(f"express lane {self.endpoint}: the peer stopped reading"))
-                    raise TransferTimeoutError(f"express lane {self.endpoint}: the peer took no bytes "
-                                               "before the request's deadline") from None
+            self._send_rest(memoryview(data), deadline)
         finally:
             self._send_lock.release()
+
+    def _send_rest(self, view: memoryview, deadline: float) -> None:
+        """Write ``view`` whole (the send lock is held), waiting for room until ``deadline``."""
+        while view:
+            try:
+                view = view[self._sock.send(view, socket.MSG_DONTWAIT):]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._fail(PeerLostError(f"express lane {self.endpoint}: cannot send: {exc}"))
+                raise _again(self._error) from None
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self._sock], [], left)[1]:
+                # a partly sent frame leaves the stream unusable: the lane ends here
+                self._fail(PeerLostError(f"express lane {self.endpoint}: the peer stopped reading"))
+                raise TransferTimeoutError(f"express lane {self.endpoint}: the peer took no bytes "
+                                           "before the request's deadline") from None
 
     def _await(self, request_id: int, timeout: float, deadline: float) -> bytes:
         while True:

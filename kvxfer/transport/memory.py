@@ -157,6 +157,10 @@ class MemoryChannel:
         except PeerLostError as exc:
             return _Answered(None, exc)
 
+    def try_send(self, frame: bytes, timeout: float) -> None:
+        """Never: ``send`` runs the listener's handler on the calling thread, which may wait."""
+        return None
+
     def request(self, frame: bytes, timeout: float) -> bytes:
         return self.send(frame, timeout).reply()
 

@@ -242,6 +242,15 @@ class SideChannelClient:
         """
         return self.send(frame, timeout).reply()
 
+    def try_send(self, frame: bytes, timeout: float):
+        """``send``, only where it cannot wait: over the express lane, when no other send holds it
+        and its socket takes the frame now (``ExpressLane.try_send``); else None, nothing sent."""
+        lane = self._lane
+        if lane is None or self._closed or not isinstance(timeout, (int, float)) \
+                or not math.isfinite(timeout) or timeout <= 0:
+            return None
+        return lane.try_send(frame, timeout)
+
     def send(self, frame: bytes, timeout: float) -> "PendingReply":
         """Send ``frame`` now and return at once; ``reply()`` on the result waits for the answer.
 

@@ -100,6 +100,32 @@ def test_a_steps_notices_to_one_rank_go_in_one_message_and_end_every_hold(harnes
     assert prod.holding("other")
 
 
+def test_notices_sent_inside_hold_go_together_at_its_end(harness):
+    """A pass completing a step's reads (``DoneSender.hold``) queues their notices only when it
+    ends: the lane is not woken by the first while the others still complete, and one ``Done``
+    names them all. Outside a hold a notice is queued at once."""
+    s = spec()
+    prod, _ = harness.agent(s)
+    cons, _ = harness.agent(s, listen=False)
+    link = cons.connect(*prod.address)
+    rids = [f"h{i}" for i in range(6)]
+    for i, rid in enumerate(rids):
+        prod.hold(rid, [i])
+    messages: list = []
+    _seen(prod, messages)
+    with cons._done.hold():
+        with cons._done.hold():  # nested: still one batch, at the outer end
+            for rid in rids[:3]:
+                cons._done.send(link, rid)
+        for rid in rids[3:]:
+            cons._done.send(link, rid)
+        threading.Event().wait(0.05)
+        assert _told(messages) == [] and all(prod.holding(rid) for rid in rids)  # nothing sent yet
+    assert wait_for(lambda: _told(messages) == rids)
+    assert sum(isinstance(m, Done) for m in messages) == 1
+    assert wait_for(lambda: not any(prod.holding(rid) for rid in rids))
+
+
 def test_a_producer_without_batch_done_gets_one_notice_per_request(harness):
     s = spec()
     prod, _ = harness.agent(s)

@@ -6,10 +6,11 @@ every id against the hold; malformed packed ids are refused with the reason, not
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.errors import ProtocolError
-from kvxfer.protocol import Claim, Grant, Refuse, claim_blocks, pack_ids
+from kvxfer.protocol import Claim, Grant, Refuse, claim_blocks, pack_id_lists, pack_ids
 
 from agent_helpers import spec
 
@@ -86,3 +87,12 @@ def test_lease_table_checks_packed_ids_like_listed_ones():
     outside = int(np.setdiff1d(np.arange(4096), ids)[3])
     assert hold.missing(pack_ids(np.append(ids[:10], outside))) == outside
     assert pack_ids(np.array([1 << 32])) is None                    # does not fit: sent as a list
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, (1 << 33)), max_size=40), max_size=12))
+def test_a_steps_ids_packed_together_equal_each_packed_alone(lists):
+    """``pack_id_lists`` (one pass over a step's claims) gives exactly ``pack_ids`` of each list,
+    None for a list with an id past 32 bits."""
+    arrays = [np.array(ids, dtype=np.int64) for ids in lists]
+    assert pack_id_lists(arrays) == [pack_ids(a) for a in arrays]

@@ -170,3 +170,67 @@ def test_claims_go_to_every_rank_and_one_refusal_undoes_the_others(producers):
     untouched = cache_for(spec, 99)
     for layer in range(spec.num_layers):
         np.testing.assert_array_equal(cache[layer][:, 3:], untouched[layer][:, 3:])
+
+
+def test_a_known_producers_claim_leaves_from_the_callers_thread_or_else_from_the_lane(producers, monkeypatch):
+    """For a producer already handshaken, ``read_many`` sends the step's claim itself when the
+    express lane takes it at once (no wait for the lane thread to wake); when the lane is busy
+    (another thread sending on it) nothing is sent inline and the lane thread claims. Both ways
+    the reads are exact and the claim is sent once."""
+    import threading
+
+    from kvxfer import ReadRequest
+    from kvxfer.agent import peers
+    from kvxfer.protocol import Claim, ClaimBatch
+
+    spec = KVSpec(**COMMON)
+    holds = {f"a{i}": [2 * i, 2 * i + 1] for i in range(4)} | {f"b{i}": [20 + 2 * i, 21 + 2 * i] for i in range(4)}
+    prod = Producer(spec, seed=1, port=free_port_block(), holds=holds)
+    producers.append(prod)
+    sent: list[tuple[str, str]] = []
+    send, try_send = peers.PeerLink.send, peers.PeerLink.try_send
+
+    def recording_send(self, message, timeout):
+        if isinstance(message, (Claim, ClaimBatch)):
+            sent.append((threading.current_thread().name, "send"))
+        return send(self, message, timeout)
+
+    def recording_try_send(self, message, timeout):
+        pending = try_send(self, message, timeout)
+        if pending is not None and isinstance(message, (Claim, ClaimBatch)):
+            sent.append((threading.current_thread().name, "try_send"))
+        return pending
+
+    monkeypatch.setattr(peers.PeerLink, "send", recording_send)
+    monkeypatch.setattr(peers.PeerLink, "try_send", recording_try_send)
+    cons, cache = consumer(spec)
+    src = cache_for(spec, 1)
+    with cons:
+        link = cons.connect(*prod.address)
+        assert link.client._lane is not None  # the express lane is up: a claim can go inline
+
+        def step(prefix, dst0):
+            reqs = [ReadRequest(prod.address, [dst0 + 2 * i, dst0 + 2 * i + 1], holds[f"{prefix}{i}"], f"{prefix}{i}")
+                    for i in range(4)]
+            for handle in cons.read_many(reqs):
+                handle.wait(30)
+            for rr in reqs:
+                for layer in range(spec.num_layers):
+                    np.testing.assert_array_equal(cache[layer][:, rr.local_blocks], src[layer][:, rr.remote_blocks])
+
+        step("a", 0)
+        assert sent == [("MainThread", "try_send")]
+        sent.clear()
+        lane = link.client._lane
+        with lane._send_lock:  # another thread is sending on the lane: the caller must not wait for it
+            started = time.perf_counter()
+            handles = cons.read_many([ReadRequest(prod.address, [30 + 2 * i, 31 + 2 * i], holds[f"b{i}"], f"b{i}")
+                                      for i in range(4)])
+            assert time.perf_counter() - started < 0.5
+            assert sent == [] and not any(h.done() for h in handles)
+        for handle in handles:
+            handle.wait(30)
+        assert len(sent) == 1 and sent[0][0].startswith("kvxfer-peer") and sent[0][1] == "send"
+        for i in range(4):
+            for layer in range(spec.num_layers):
+                np.testing.assert_array_equal(cache[layer][:, [30 + 2 * i, 31 + 2 * i]], src[layer][:, holds[f"b{i}"]])

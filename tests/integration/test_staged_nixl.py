@@ -160,17 +160,24 @@ def test_pack_request_travels_with_the_claim_in_one_round_trip(producers, monkey
     from kvxfer.agent import peers
 
     events = []
-    send, answer = peers.PeerLink.send, peers.PendingAnswer.answer
+    send, try_send, answer = peers.PeerLink.send, peers.PeerLink.try_send, peers.PendingAnswer.answer
 
     def recording_send(self, message, timeout):
         events.append(("send", type(message).__name__))
         return send(self, message, timeout)
+
+    def recording_try_send(self, message, timeout):  # the claim sent from read()'s own thread
+        pending = try_send(self, message, timeout)
+        if pending is not None:
+            events.append(("send", type(message).__name__))
+        return pending
 
     def recording_answer(self):
         events.append(("answer", type(self._message).__name__))
         return answer(self)
 
     monkeypatch.setattr(peers.PeerLink, "send", recording_send)
+    monkeypatch.setattr(peers.PeerLink, "try_send", recording_try_send)
     monkeypatch.setattr(peers.PendingAnswer, "answer", recording_answer)
     spec = KVSpec(**COMMON)
     p_ids, c_ids = [7, 3, 22], [1, 9, 4]

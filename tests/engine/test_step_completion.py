@@ -1,0 +1,132 @@
+"""A step's reads share one kernel: polling one read that completes also completes the others of
+its launch that may complete (granted and posted), in one pass, with their completion notices
+handed over together; while a waiter polls a step's read itself, the progress thread leaves that
+step to it, and takes it back when the waiter stops."""
+
+import threading
+import time
+
+from kvxfer.backend.fake import FakeBackend, FakeWorld
+from kvxfer.clock import ManualClock
+from kvxfer.engine.shared import SharedJob
+from kvxfer.engine.transfers import Part, TransferEngine
+from kvxfer.types import Direction, MemKind
+
+
+class KernelJob:
+    """Moves its own bytes (like an IPC kernel): done once ``finished`` is set; counts its polls."""
+
+    notifies = False
+    moves_itself = True
+
+    def __init__(self):
+        self.finished = threading.Event()
+        self.polls = 0
+        self.num_bytes, self.descriptors = 64, 1
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return self.finished.is_set()
+
+    def cancel(self) -> bool:
+        return True
+
+
+class Scope:
+    """A completion scope that records which notices were sent inside which pass."""
+
+    def __init__(self):
+        self.passes: list[list[str]] = []
+        self.current: list[str] | None = None
+
+    def __call__(self):
+        scope = self
+
+        class _Pass:
+            def __enter__(self):
+                if scope.current is None:
+                    scope.current = []
+                    self.outer = True
+                else:
+                    self.outer = False
+
+            def __exit__(self, *exc):
+                if self.outer:
+                    scope.passes.append(scope.current)
+                    scope.current = None
+
+        return _Pass()
+
+
+def _step(n=4, granted=None, scope=None, wake=None):
+    world = FakeWorld()
+    me, peer = FakeBackend("me", world), FakeBackend("peer", world)
+    me.add_peer(peer.metadata())
+    engine = TransferEngine(me, MemKind.VRAM, clock=ManualClock(), completion_scope=scope, wake=wake)
+    job = KernelJob()
+    shared = SharedJob(job, members=n)
+    reqs = engine.reserve_many([(f"r{i}", None, [i]) for i in range(n)], Direction.READ, granted=False)
+    sent: list[str] = []
+
+    def notice(rid):
+        sent.append(rid)
+        if scope is not None and scope.current is not None:
+            scope.current.append(rid)
+
+    with engine.posting(reqs):
+        for i, req in enumerate(reqs):
+            part = Part("peer", None, MemKind.VRAM, b"", job=shared.member(16, 1),
+                        on_done=lambda rid=f"r{i}": notice(rid))
+            assert engine.attach(req, [part], mode="ipc", started=True, group=reqs)
+    for i, req in enumerate(reqs):
+        if granted is None or i in granted:
+            engine.grant(req)
+    return engine, job, reqs, sent
+
+
+def test_polling_one_read_of_a_step_completes_every_granted_read_of_its_launch():
+    scope = Scope()
+    engine, job, reqs, sent = _step(4, granted={0, 1, 3}, scope=scope)
+    job.finished.set()
+    assert reqs[0].handle.done()                      # one poll, nobody else polling
+    assert [r.finished for r in reqs[1:]] == [True, False, True]  # completed by that one poll
+    assert sorted(sent) == ["r0", "r1", "r3"]
+    assert scope.passes[-1] == ["r0", "r1", "r3"]     # the notices of one pass, together
+    assert not reqs[2].finished                       # not granted: its bytes may not count yet
+    engine.grant(reqs[2])
+    assert reqs[2].handle.done() and sent[-1] == "r2"
+    assert engine.in_flight() == 0
+
+
+def test_a_step_whose_kernel_is_still_running_completes_nothing():
+    engine, job, reqs, sent = _step(3)
+    assert not reqs[1].handle.done()
+    engine.progress()
+    assert not any(r.finished for r in reqs) and sent == []
+    job.finished.set()
+    time.sleep(0.001)  # a shared job reuses its "not done" answer for 50 us (one pass asks it once)
+    engine.progress()
+    assert all(r.finished for r in reqs) and sorted(sent) == ["r0", "r1", "r2"]
+
+
+def test_the_progress_thread_leaves_a_watched_step_to_its_waiter_and_takes_it_back():
+    woken = threading.Event()
+    engine, job, reqs, sent = _step(3, wake=woken.set)
+    assert engine.moving() == 1
+    reqs[1].handle._watched += 1                      # a waiter spinning on one read of the step
+    before = job.polls
+    engine.progress()
+    assert job.polls == before and engine.moving() == 0  # nobody else polls the step's kernel
+    reqs[1].handle._watched -= 1
+    assert engine.moving() == 1
+    # a real waiter: it spins for a while, then hands the request back and wakes the progress thread
+    from kvxfer.errors import WaitTimeout
+    try:
+        reqs[1].handle.wait(0.01)
+    except WaitTimeout:
+        pass
+    assert woken.is_set() and reqs[1].handle._watched == 0
+    job.finished.set()
+    time.sleep(0.001)
+    engine.progress()
+    assert all(r.finished for r in reqs)
