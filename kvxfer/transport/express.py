@@ -23,11 +23,13 @@ reading for everybody).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import math
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -38,9 +40,10 @@ __all__ = ["ATTACH", "ATTACHED", "HEADER", "ExpressLane", "FrameReader", "frame"
 HEADER = struct.Struct(">IQ")  # payload length, request id
 ATTACH = b"KVXA"
 ATTACHED = ATTACH + b"\x01"
-#: Seconds ``try_send`` may wait to finish a frame the socket took only part of; past it the peer
-#: is taken as not reading and the lane fails (its requests get ``PeerLostError``).
-TRY_SEND_REST = 0.05
+#: Seconds ``try_send`` may wait to finish a frame the socket took only part of (it sends only
+#: into a socket with room for the whole frame, so this should not happen); past it the peer is
+#: taken as not reading and the lane fails (its requests get ``PeerLostError``).
+TRY_SEND_REST = 0.01
 _RECV_BYTES = 1 << 16  # below malloc's mmap threshold: a larger recv buffer costs a map and unmap per call
 
 
@@ -109,6 +112,7 @@ class ExpressLane:
         self._leader = False
         self._error: KvxferError | None = None
         self._reader = FrameReader(max_bytes)
+        self._outq = bytearray(4)  # TIOCOUTQ's answer: bytes queued, not yet taken by the peer
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -174,7 +178,9 @@ class ExpressLane:
                 self._waiting.add(request_id)
             data = frame(request_id, payload)
             try:
-                sent = self._sock.send(data, socket.MSG_DONTWAIT)
+                # Only into a socket with room for the whole frame, with margin: a partly sent
+                # frame would have to be finished here, waiting on the peer.
+                sent = self._sock.send(data, socket.MSG_DONTWAIT) if self._room(len(data)) else 0
             except (BlockingIOError, OSError):
                 sent = 0  # nothing written: ``send`` (on another thread) meets the same and reports it
             if not sent:
@@ -187,6 +193,16 @@ class ExpressLane:
         finally:
             self._send_lock.release()
         return LanePending(self, request_id, timeout, deadline)
+
+    def _room(self, size: int) -> bool:
+        """Whether the socket's send queue has room for ``size`` more bytes, with half of its
+        buffer to spare (bytes a peer has not taken stay queued there)."""
+        try:
+            fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, self._outq)
+            limit = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        except OSError:
+            return False
+        return struct.unpack("i", self._outq)[0] + size <= limit // 2
 
     def _send_all(self, data: bytes, deadline: float) -> None:
         if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):

@@ -324,3 +324,55 @@ def test_requests_in_flight_when_the_server_drops_the_lane_all_raise_peer_lost()
         listener.close()
     with pytest.raises(PeerLostError):   # nobody listens there now
         ExpressLane("127.0.0.1", port, b"\x01" * 16, MAX_BYTES, 2.0)
+
+
+def test_try_send_never_waits_on_a_peer_that_stopped_reading_and_never_leaves_half_a_frame():
+    """``try_send`` (a claim sent from ``read_many``'s own thread) writes a frame only into a
+    socket with room for all of it: against a server that attached and then stopped reading it
+    returns None, at once, once the socket is half full, and every frame it did write arrives
+    whole when the server reads again. Meanwhile ``send`` from another thread is not disturbed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port, reading, frames = listener.getsockname()[1], threading.Event(), []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            buf = conn.recv(HEADER.size + len(ATTACH) + 16)           # the attach
+            conn.sendall(frame(0, ATTACHED))
+            reading.wait(30)                                          # stops reading until told
+            buf = b""
+            while chunk := conn.recv(1 << 20):
+                buf += chunk
+                while len(buf) >= HEADER.size:
+                    size, rid = HEADER.unpack_from(buf)
+                    if len(buf) < HEADER.size + size:
+                        break
+                    frames.append((rid, buf[HEADER.size:HEADER.size + size]))
+                    buf = buf[HEADER.size + size:]
+                if frames and frames[-1][1] == b"last":
+                    return
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    lane = ExpressLane("127.0.0.1", port, b"\x02" + bytes(15), MAX_BYTES, 5.0)
+    payload = bytes(range(256)) * 256                                 # 64 KiB frames
+    sent, slowest = [], 0.0
+    try:
+        for i in range(2000):
+            started = time.monotonic()
+            pending = lane.try_send(payload + i.to_bytes(4, "big"), 30.0)
+            slowest = max(slowest, time.monotonic() - started)
+            if pending is None:
+                break
+            sent.append(i)
+            pending.cancel()
+        assert pending is None and sent, "the socket never filled"
+        assert slowest < 0.05 and not lane.dead
+        reading.set()
+        lane.send(b"last", 30.0).cancel()
+        server.join(30)
+        assert [p[-4:] for _, p in frames[:-1]] == [i.to_bytes(4, "big") for i in sent]
+        assert all(p[:-4] == payload for _, p in frames[:-1]) and frames[-1][1] == b"last"
+    finally:
+        lane.close()
+        listener.close()
