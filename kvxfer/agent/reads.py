@@ -238,6 +238,10 @@ class ReadFlow:
                                                self._time_left(pending))
             except KvxferError as exc:
                 self._fail_all(pending, exc)
+                for r in pending:  # a claim sent from the caller's thread: its grant goes back
+                    if r.sent is not None:
+                        self._agent._claims.undo(r.request_id, r.sent)
+                        r.sent = None
                 return
             stale = [r for r in pending if r.route is not None and not _same(r.route.links, links)]
             for r in stale:  # routed on links replaced since: again (a kernel is launched again below)
