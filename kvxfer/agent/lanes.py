@@ -19,9 +19,10 @@ log = logging.getLogger("kvxfer.agent")
 
 
 class _Lane:
-    def __init__(self) -> None:
+    def __init__(self, lock: threading.Lock) -> None:
         self.items: list = []
         self.thread: threading.Thread | None = None
+        self.cond = threading.Condition(lock)  # this lane's own wake-up: work for another lane leaves it asleep
 
 
 class PeerLanes:
@@ -41,7 +42,7 @@ class PeerLanes:
                  crashed: Callable[[list, BaseException], None] | None = None, idle: float = 10.0) -> None:
         self._name, self._run, self._crashed, self._idle = name, run, crashed, idle
         self._lanes: dict[Hashable, _Lane] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._closed = False
 
     def put(self, key: Hashable, item) -> None:
@@ -55,25 +56,25 @@ class PeerLanes:
     def put_many(self, key: Hashable, items: list) -> None:
         """Queue ``items`` on ``key``'s lane together: they reach ``run`` in one batch (or in
         the batch that is about to start, with anything queued before them)."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("peer lanes are closed")
             lane = self._lanes.get(key)
             if lane is None:
-                lane = self._lanes[key] = _Lane()
+                lane = self._lanes[key] = _Lane(self._lock)
             lane.items.extend(items)
             if lane.thread is None:
                 lane.thread = threading.Thread(target=self._serve, args=(key, lane),
                                                name=f"{self._name}-{_label(key)}", daemon=True)
                 lane.thread.start()
             else:
-                self._cond.notify_all()
+                lane.cond.notify()
 
     def _serve(self, key: Hashable, lane: _Lane) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 if not lane.items and not self._closed:
-                    self._cond.wait_for(lambda: lane.items or self._closed, timeout=self._idle)
+                    lane.cond.wait_for(lambda: lane.items or self._closed, timeout=self._idle)
                 if not lane.items:  # idle (or closed): this lane's thread ends
                     lane.thread = None
                     if self._lanes.get(key) is lane:
@@ -92,16 +93,17 @@ class PeerLanes:
 
     def busy(self) -> int:
         """Lanes with a thread now."""
-        with self._cond:
+        with self._lock:
             return sum(1 for lane in self._lanes.values() if lane.thread is not None)
 
     def close(self, timeout: float = 2.0) -> None:
         """Let every lane finish the batch it runs and end; queued items still run once.
         Idempotent."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             threads = [lane.thread for lane in self._lanes.values() if lane.thread is not None]
-            self._cond.notify_all()
+            for lane in self._lanes.values():
+                lane.cond.notify_all()
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
