@@ -54,8 +54,8 @@ class Claims:
         out: list[list] = [[] for _ in items]
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
-        packed: list | None = None  # the ids packed once for every rank that reads them so
-        listed: list | None = None
+        packed: list | None = None  # the claims made once, for every rank that takes packed ids
+        listed: list | None = None  # and once for every older rank (ids listed)
         for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
             if link.info.packed_ids:
                 if packed is None:
