@@ -54,18 +54,12 @@ class Claims:
         out: list[list] = [[] for _ in items]
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
-        packed: list | None = None  # the claims made once, for every rank that takes packed ids
-        listed: list | None = None  # and once for every older rank (ids listed)
+        made: dict[bool, list] = {}  # the claims, made once per form (packed ids or listed)
         for link in sorted(links, key=lambda lk: (lk.host, lk.port)):
-            if link.info.packed_ids:
-                if packed is None:
-                    packed = [self._claim(rid, ids, window, p) for (rid, ids, window), p
-                              in zip(items, pack_id_lists([ids for _, ids, _ in items]))]
-                claims = packed
-            else:
-                if listed is None:
-                    listed = [self._claim(rid, ids, window, None) for rid, ids, window in items]
-                claims = listed
+            form = bool(link.info.packed_ids)
+            claims = made.get(form)
+            if claims is None:
+                claims = made[form] = self._claims(items, form)
             if link.info.batch_claims and len(claims) > 1:
                 try:
                     shared = _SharedReply(link.send(ClaimBatch(claims), wait), len(claims))
@@ -87,8 +81,7 @@ class Claims:
                       timeout: float) -> list[list] | None:
         """``send_many`` to one rank, only where that cannot wait on the peer (``PeerLink.try_send``):
         the ``sent`` lists, or None with nothing sent (then ``send_many`` does it)."""
-        packed = pack_id_lists([ids for _, ids, _ in items]) if link.info.packed_ids else [None] * len(items)
-        claims = [self._claim(rid, ids, window, p) for (rid, ids, window), p in zip(items, packed)]
+        claims = self._claims(items, bool(link.info.packed_ids))
         batch = link.info.batch_claims and len(claims) > 1
         if not batch and len(claims) > 1:
             return None  # an older peer: one message per claim, sent by the lane
@@ -99,6 +92,11 @@ class Claims:
             return [[(link, pending)]]
         shared = _SharedReply(pending, len(claims))
         return [[(link, _NthReply(shared, i))] for i in range(len(claims))]
+
+    def _claims(self, items: list[tuple[str, np.ndarray, float]], packed: bool) -> list[Claim]:
+        """The claims of ``items``: ids packed in one pass for a current peer, listed for an older one."""
+        ids = pack_id_lists([remote_ids for _, remote_ids, _ in items]) if packed else [None] * len(items)
+        return [self._claim(rid, remote_ids, window, p) for (rid, remote_ids, window), p in zip(items, ids)]
 
     def _claim(self, request_id: str, remote_ids: np.ndarray, window: float, packed: bytes | None) -> Claim:
         """The claim of one request: ids ``packed`` for a current peer (``pack_ids``), listed for
