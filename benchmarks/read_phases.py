@@ -25,7 +25,7 @@ SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="
 # (module, class, method): the steps of a read, wrapped where they exist in this version
 STEPS = [
     ("kvxfer.agent.core", "Agent", "read_many"),
-    ("kvxfer.agent.core", "Agent", "_run_lane"),
+    ("kvxfer.agent.submit", "Submissions", "run_lane"),
     ("kvxfer.agent.reads", "ReadFlow", "_route"),
     ("kvxfer.agent.reads", "ReadFlow", "_claim"),
     ("kvxfer.agent.reads", "ReadFlow", "_launch_ipc"),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvxfer.agent.jobs import LaneJob
+from kvxfer.agent.submit import address, deadline_for
 from kvxfer.errors import ConfigError, KvxferError, LeaseExpiredError, PeerLostError, TransferFailedError
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import MAX_PAYLOAD, Announce, Refuse
@@ -141,15 +142,8 @@ def start_announce(agent: "Agent", remote, request_id: str, block_ids, payload: 
         raise ConfigError(f"payload: expected at most {MAX_PAYLOAD} bytes; got {len(payload)}")
     if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
         raise ConfigError(f"producers must be an integer >= 1; got {producers!r}")
-    timeout = agent.config.transfer_timeout if timeout is None else timeout
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
-    deadline = None if timeout is None else agent._clock.now() + timeout
-    try:
-        remote = (str(remote[0]), int(remote[1]))
-    except (TypeError, ValueError, IndexError):
-        raise ConfigError(f"remote must be a (host, port) pair; got {remote!r}") from None
+    deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent._clock.now())
+    remote = address(remote)
     agent._reports.expect_writes(request_id, producers, None, deadline)
     message = Announce(request_id, agent.engine_id, blocks.tolist(), agent._address[0], agent._address[1], payload)
     agent._lanes.put(remote, AnnounceJob(agent, remote, message, deadline))

@@ -8,12 +8,9 @@ polls transfers, notifications and lease expiry; every user-facing wait takes a 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from functools import partial
 from typing import Sequence
 
 import msgspec
@@ -25,13 +22,12 @@ from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
 from kvxfer.agent.claims import Claims
 from kvxfer.agent.heartbeats import send_keepalive, tell_abort
 from kvxfer.agent.progress import run_progress
-from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.streams import WriteStream
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
-from kvxfer.agent.reads import PendingRead, ReadFlow, links_for
-from kvxfer.agent.writes import PendingWrite, run_writes
+from kvxfer.agent.reads import ReadFlow, links_for
+from kvxfer.agent.submit import AbortJob, Submissions, address
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
@@ -43,10 +39,9 @@ from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.engine.transfers import TransferEngine
 from kvxfer.errors import (
-    ClosedError, ConfigError, KvxferError, LeaseExpiredError, RegistrationError, TransferFailedError,
+    ClosedError, ConfigError, LeaseExpiredError, RegistrationError,
 )
 from kvxfer.layout import CacheView, KVSpec
-from kvxfer.layout.request import check_block_id_lists, check_block_ids
 from kvxfer.memory import MemoryRegistry, host_view
 from kvxfer.protocol import (
     Codec, compat_hash, encode_notification, make_peer_info, new_engine_id,
@@ -55,14 +50,12 @@ from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
 from kvxfer.transport.zmq import ZmqTransport
 from kvxfer.types import (
-    AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
+    AbortOutcome, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
 )
 
 __all__ = ["Agent", "Finished"]
 
 log = logging.getLogger("kvxfer.agent")
-
-_MAX_BLOCK_ID = (1 << 63) - 1  # remote ids are checked against the peer's cache by the plan
 
 
 class Agent:
@@ -117,7 +110,8 @@ class Agent:
         self._packer: PackServer | None = None  # serves staged reads as a producer
         self._reads = ReadFlow(self)
         self._read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
-        self._lanes = PeerLanes("kvxfer-peer", self._run_lane, self._lane_crashed)
+        self._submit = Submissions(self)
+        self._lanes = PeerLanes("kvxfer-peer", self._submit.run_lane, self._submit.lane_crashed)
         self._closed = False
         self._setup = threading.Lock()  # register and listen run once each, whichever thread calls
         self._wake = threading.Event()
@@ -341,74 +335,7 @@ class Agent:
         started = time.perf_counter()
         self._check_open()
         self._require_cache()
-        for rr in requests:
-            if not isinstance(rr, ReadRequest):
-                raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
-        # the step's ids checked together (the same checks and errors as one by one)
-        locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], self.spec.num_blocks)
-        remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], _MAX_BLOCK_ID)
-        pending = self._pending_reads(requests, started, locals_, remotes)
-        reqs = self._engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
-                                         granted=False)
-        handles = []
-        for read, req in zip(pending, reqs):
-            read.req = req
-            self._read_remotes[read.request_id] = read.remote
-            handles.append(req.handle)
-        by_peer: dict[tuple[str, int], list] = {}
-        for read in pending:
-            by_peer.setdefault(read.remote, []).append(read)
-        for remote, reads in by_peer.items():
-            # Same-host kernel reads to a known producer are routed and launched here (no peer
-            # I/O on this thread), and the claims to a known producer are sent here when that
-            # cannot wait on it, before the lane wakes: a lane woken first would take turns on the
-            # interpreter with this thread, and the claim would wait for the lane to wake.
-            if self._reads.route_inline(remote, reads):
-                self._reads.launch_inline(reads)
-            self._reads.claim_inline(remote, reads)
-            self._lanes.put_many(remote, reads)
-        for read in pending:  # after the launch: a handle already complete runs them here, at once
-            handle = read.req.handle
-            handle.add_done_callback(self._on_read_done)
-            if self._metrics is not None:
-                # the path is known once the lane chose it: read it when the handle completes
-                handle.add_done_callback(lambda h, req=read.req: self._metrics.observe("read", req.mode, h))
-        self._wake.set()
-        return handles
-
-    def _pending_reads(self, requests: Sequence[ReadRequest], started: float, locals_: list,
-                       remotes: list) -> list[PendingRead]:
-        """Check the requests' other arguments (raises at once) and make their lane items (their
-        ids were checked: ``check_block_id_lists``). A step's requests share one clock reading
-        and, mostly, one producer address and one timeout: those are worked out once."""
-        now = self._clock.now()
-        # The read's window starts now, before any claim is sent: the producer counts the same
-        # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
-        deadlines: dict = {}
-        addresses: dict = {}
-        engine_id, key = self.engine_id, self.config.auth_key
-        out = []
-        for rr, local, remote_ids in zip(requests, locals_, remotes):
-            timeout = self.config.transfer_timeout if rr.timeout is None else rr.timeout
-            plain = timeout is None or type(timeout) in (int, float)
-            deadline = deadlines.get(timeout, _UNSET) if plain else _UNSET
-            if deadline is _UNSET:
-                if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                            or not timeout > 0):
-                    raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
-                deadline = None if timeout is None else now + timeout
-                if plain:
-                    deadlines[timeout] = deadline
-            try:
-                remote = addresses[rr.remote]
-            except (KeyError, TypeError):
-                remote = _address(rr.remote)
-                with contextlib.suppress(TypeError):
-                    addresses[rr.remote] = remote
-            note = encode_notification(rr.request_id, engine_id, key)
-            out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
-                                   same_format=bool(rr.same_format)))
-        return out
+        return self._submit.reads(requests, started)
 
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
               timeout: float | None = None) -> TransferHandle:
@@ -426,41 +353,7 @@ class Agent:
         """
         self._check_open()
         self._require_cache()
-        local = check_block_ids("local", local_blocks, self.spec.num_blocks)
-        remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
-        timeout = self.config.transfer_timeout if timeout is None else timeout
-        deadline = None if timeout is None else self._clock.now() + timeout
-        req = self._engine.reserve(request_id, Direction.WRITE, deadline=deadline)
-        note = encode_notification(request_id, self.engine_id, self.config.auth_key)
-        if self._metrics is not None:
-            req.handle.add_done_callback(partial(self._metrics.observe, "write", "direct"))
-        self._lanes.put(_address(remote), PendingWrite(req, local, remote_ids, note, deadline))
-        self._wake.set()
-        return req.handle
-
-    def _run_lane(self, remote: tuple[str, int], items: list) -> None:
-        """One producer's (or consumer's) batch of reads and writes, on its lane."""
-        reads = [item for item in items if isinstance(item, PendingRead)]
-        if reads:
-            self._reads.run(remote, reads)
-        writes = [item for item in items if isinstance(item, PendingWrite)]
-        if writes:
-            run_writes(self, remote, writes)
-        for item in items:
-            if isinstance(item, LaneJob):
-                item.run(self)
-            elif isinstance(item, _PendingAbort):
-                outcome = self._tell_abort(item.request_id, item.remote, item.links)
-                log.debug("abort of %r: %s", item.request_id, outcome.value)
-
-    def _lane_crashed(self, items: list, exc: BaseException) -> None:
-        error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"internal error: {exc!r}")
-        for item in items:
-            if isinstance(item, LaneJob):
-                item.fail(error)
-            elif not isinstance(item, _PendingAbort):
-                self._engine.fail(item.req, error)
-        self._wake.set()
+        return self._submit.write(remote, local_blocks, remote_blocks, request_id, timeout)
 
     def expect_writes(self, request_id: str, producers: int = 1, *, writes: int = 1) -> None:
         """Consumer side of WRITE: report ``request_id`` in ``finished().received`` only once each
@@ -520,12 +413,12 @@ class Agent:
         ``stream.handle`` completes once (every chunk landed and the consumer took the aux).
         ``timeout`` (default ``config.transfer_timeout``) bounds each chunk's write. Does not block.
 
-        Raises: ConfigError (``remote``), ClosedError, RegistrationError.
+        Raises: ConfigError (``remote``, a bad ``timeout``), ClosedError, RegistrationError.
         """
         self._check_open()
         self._require_cache()
         timeout = self.config.transfer_timeout if timeout is None else timeout
-        return WriteStream(self, _address(remote), request_id, timeout)
+        return WriteStream(self, address(remote), request_id, timeout)
 
     def take_aux(self, request_id: str) -> dict[str, bytes]:
         """Consumer: the aux payloads that came with a received push of ``request_id``, by producer
@@ -557,14 +450,11 @@ class Agent:
         if self._engine is not None:
             self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
         if not wait:
-            key = _address(remote) if remote is not None else (
+            key = address(remote) if remote is not None else (
                 (links[0].host, links[0].port) if links else None)
             if key is not None:
-                self._lanes.put(key, _PendingAbort(request_id, remote, links))
+                self._lanes.put(key, AbortJob(request_id, remote, links))
             return None
-        return self._tell_abort(request_id, remote, links)
-
-    def _tell_abort(self, request_id: str, remote, links) -> AbortOutcome:
         return tell_abort(self, request_id, remote, links)
 
     def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> KeepaliveResult:
@@ -660,7 +550,7 @@ class Agent:
     def _links_for(self, remote: tuple[str, int],
                    timeout: float | None = None) -> tuple[list[PeerLink], list[PeerLink]]:
         """Links to the remote ranks this rank reads from, and to those it only notifies."""
-        return links_for(self._peers, self.spec, _address(remote), timeout)
+        return links_for(self._peers, self.spec, address(remote), timeout)
 
     def _notify_done(self, link: PeerLink, request_id: str) -> None:
         """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""
@@ -684,23 +574,3 @@ class Agent:
 
     def _progress_loop(self) -> None:
         run_progress(self)
-
-@dataclass
-class _PendingAbort:
-    """An ``abort(wait=False)`` queued on the producer's lane."""
-
-    request_id: str
-    remote: tuple[str, int] | None
-    links: list | None
-
-
-_UNSET = object()
-
-
-def _address(remote) -> tuple[str, int]:
-    """``remote`` as a ``(host, port)`` key; ConfigError when it is not one."""
-    try:
-        host, port = remote
-        return str(host), int(port)
-    except (TypeError, ValueError):
-        raise ConfigError(f"remote must be a (host, port) pair; got {remote!r}") from None

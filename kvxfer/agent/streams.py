@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvxfer.agent.jobs import LaneJob
+from kvxfer.agent.submit import MAX_BLOCK_ID, deadline_for
 from kvxfer.agent.writes import PendingWrite
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WriteStream"]
 
-_MAX_BLOCK_ID = (1 << 63) - 1
+
 _CHUNK_SEP = "\x1f"  # internal chunk ids: "<request>\x1f<n>"; never on the wire
 
 
@@ -51,7 +52,7 @@ class WriteStream:
         self._aux: bytes | None = None       # set by finish
         self._ending = False                 # WritesDone queued
         self._started = time.perf_counter()
-        self._deadline = None if timeout is None else agent._clock.now() + timeout
+        self._deadline = deadline_for(timeout, agent._clock.now())
 
     @property
     def writes(self) -> int:
@@ -68,7 +69,7 @@ class WriteStream:
         agent = self._agent
         agent._check_open()
         local = check_block_ids("local", local_blocks, agent.spec.num_blocks)
-        remote_ids = check_block_ids("remote", remote_blocks, _MAX_BLOCK_ID)
+        remote_ids = check_block_ids("remote", remote_blocks, MAX_BLOCK_ID)
         with self._lock:
             if self._aux is not None:
                 raise ConfigError(f"write stream of {self.request_id!r} is finished: no chunk may follow")

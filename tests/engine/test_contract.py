@@ -131,6 +131,23 @@ def test_expect_writes_defaults_to_one_producer_and_rejects_bad_counts(harness):
         cons.expect_writes("w", writes=1.5)
 
 
+@pytest.mark.parametrize("remote, timeout, match", [
+    ("nowhere", None, "remote must be a \\(host, port\\) pair; got 'nowhere'"),
+    (None, -1.0, "timeout must be a positive number of seconds or None; got -1.0"),
+    (None, "5", "timeout must be a positive number of seconds or None; got '5'"),
+])
+def test_a_write_with_a_bad_remote_or_timeout_raises_at_once_and_books_nothing(harness, remote, timeout, match):
+    s = spec()
+    cons, ccache = harness.agent(s, seed=2)
+    prod, pcache = harness.agent(s, seed=1, listen=False)
+    with pytest.raises(ConfigError, match=match):
+        prod.write(remote or cons.address, [1], [0], "w", timeout=timeout)
+    assert prod.status("w") is RequestState.UNKNOWN and prod.stats().in_flight == 0
+    prod.write(cons.address, [1], [0], "w").wait(5)   # the id was never taken
+    for layer in range(s.num_layers):
+        np.testing.assert_array_equal(ccache[layer][:, [0]], pcache[layer][:, [1]])
+
+
 def test_two_writes_from_one_producer_do_not_count_as_two_producers():
     reports = Reports()
     reports.expect_writes("w", producers=2)

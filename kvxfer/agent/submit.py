@@ -1,0 +1,195 @@
+"""A consumer's submissions: reads and writes checked, booked and queued on their peer's lane, and
+each lane's batch handed to its flow (layer: agent; imports no adapter and no other agent's state).
+
+``Agent.read_many`` and ``Agent.write`` keep the contract (their docstrings); this module does the
+work behind them. Nothing here waits on a peer: a submission is checked at once (a bad argument
+raises before anything is booked), booked in the engine so its handle exists, counts as in flight
+and can be aborted, and put on the lane of its producer (``PeerLanes``: one thread per peer, so a
+slow peer delays only its own work). The lane's thread then runs ``run_lane`` with everything
+queued for that peer: reads (``ReadFlow``), writes (``run_writes``) and round trips of the push
+model and of ``abort(wait=False)`` (``LaneJob``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Sequence
+
+from kvxfer.agent.heartbeats import tell_abort
+from kvxfer.agent.jobs import LaneJob
+from kvxfer.agent.reads import PendingRead
+from kvxfer.agent.writes import PendingWrite, run_writes
+from kvxfer.engine.handles import TransferHandle
+from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
+from kvxfer.layout.request import check_block_id_lists, check_block_ids
+from kvxfer.protocol import encode_notification
+from kvxfer.types import Direction, ReadRequest
+
+if TYPE_CHECKING:
+    from kvxfer.agent.core import Agent
+
+__all__ = ["MAX_BLOCK_ID", "AbortJob", "Submissions", "address", "deadline_for"]
+
+log = logging.getLogger("kvxfer.agent")
+
+MAX_BLOCK_ID = (1 << 63) - 1  # remote ids are checked against the peer's cache by the plan
+
+_UNSET = object()
+
+
+def address(remote) -> tuple[str, int]:
+    """``remote`` as a ``(host, port)`` key; ConfigError when it is not one."""
+    try:
+        host, port = remote
+        return str(host), int(port)
+    except (TypeError, ValueError):
+        raise ConfigError(f"remote must be a (host, port) pair; got {remote!r}") from None
+
+
+def deadline_for(timeout, now: float) -> float | None:
+    """A transfer's deadline from its ``timeout`` (None: none); ConfigError for a bad timeout."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
+    return now + timeout
+
+
+@dataclass
+class AbortJob(LaneJob):
+    """An ``abort(wait=False)``: the producer ranks are told on the lane, after the reads queued
+    before it. A crashed lane drops it (the local read was cancelled already)."""
+
+    request_id: str
+    remote: tuple[str, int] | None
+    links: list | None
+
+    def run(self, agent) -> None:
+        outcome = tell_abort(agent, self.request_id, self.remote, self.links)
+        log.debug("abort of %r: %s", self.request_id, outcome.value)
+
+    def fail(self, error: Exception) -> None:
+        log.debug("abort of %r not told: %s", self.request_id, error)
+
+
+class Submissions:
+    """The consumer's reads and writes, from the call to their lane (see the module doc)."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+
+    def reads(self, requests: Sequence[ReadRequest], started: float) -> list[TransferHandle]:
+        """``Agent.read_many`` after its open and registration checks: raises at once for a bad
+        request (nothing booked), else one handle per request, in order."""
+        agent = self._agent
+        for rr in requests:
+            if not isinstance(rr, ReadRequest):
+                raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
+        # the step's ids checked together (the same checks and errors as one by one)
+        locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
+        remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)
+        pending = self._pending_reads(requests, started, locals_, remotes)
+        reqs = agent._engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
+                                          granted=False)
+        handles = []
+        for read, req in zip(pending, reqs):
+            read.req = req
+            agent._read_remotes[read.request_id] = read.remote
+            handles.append(req.handle)
+        by_peer: dict[tuple[str, int], list] = {}
+        for read in pending:
+            by_peer.setdefault(read.remote, []).append(read)
+        flow = agent._reads
+        for remote, reads in by_peer.items():
+            # Same-host kernel reads to a known producer are routed and launched here (no peer
+            # I/O on this thread), and the claims to a known producer are sent here when that
+            # cannot wait on it, before the lane wakes: a lane woken first would take turns on the
+            # interpreter with this thread, and the claim would wait for the lane to wake.
+            if flow.route_inline(remote, reads):
+                flow.launch_inline(reads)
+            flow.claim_inline(remote, reads)
+            agent._lanes.put_many(remote, reads)
+        metrics = agent._metrics
+        for read in pending:  # after the launch: a handle already complete runs them here, at once
+            handle = read.req.handle
+            handle.add_done_callback(agent._on_read_done)
+            if metrics is not None:
+                # the path is known once the lane chose it: read it when the handle completes
+                handle.add_done_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
+        agent._wake.set()
+        return handles
+
+    def _pending_reads(self, requests: Sequence[ReadRequest], started: float, locals_: list,
+                       remotes: list) -> list[PendingRead]:
+        """Check the requests' other arguments (raises at once) and make their lane items (their
+        ids were checked: ``check_block_id_lists``). A step's requests share one clock reading
+        and, mostly, one producer address and one timeout: those are worked out once."""
+        agent = self._agent
+        now = agent._clock.now()
+        # The read's window starts now, before any claim is sent: the producer counts the same
+        # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
+        deadlines: dict = {}
+        addresses: dict = {}
+        engine_id, key, default = agent.engine_id, agent.config.auth_key, agent.config.transfer_timeout
+        out = []
+        for rr, local, remote_ids in zip(requests, locals_, remotes):
+            timeout = default if rr.timeout is None else rr.timeout
+            plain = timeout is None or type(timeout) in (int, float)
+            deadline = deadlines.get(timeout, _UNSET) if plain else _UNSET
+            if deadline is _UNSET:
+                deadline = deadline_for(timeout, now)
+                if plain:
+                    deadlines[timeout] = deadline
+            try:
+                remote = addresses[rr.remote]
+            except (KeyError, TypeError):
+                remote = address(rr.remote)
+                with contextlib.suppress(TypeError):
+                    addresses[rr.remote] = remote
+            note = encode_notification(rr.request_id, engine_id, key)
+            out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
+                                   same_format=bool(rr.same_format)))
+        return out
+
+    def write(self, remote, local_blocks, remote_blocks, request_id: str, timeout: float | None) -> TransferHandle:
+        """``Agent.write`` after its open and registration checks."""
+        agent = self._agent
+        local = check_block_ids("local", local_blocks, agent.spec.num_blocks)
+        remote_ids = check_block_ids("remote", remote_blocks, MAX_BLOCK_ID)
+        key = address(remote)
+        deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent._clock.now())
+        req = agent._engine.reserve(request_id, Direction.WRITE, deadline=deadline)
+        note = encode_notification(request_id, agent.engine_id, agent.config.auth_key)
+        if agent._metrics is not None:
+            req.handle.add_done_callback(partial(agent._metrics.observe, "write", "direct"))
+        agent._lanes.put(key, PendingWrite(req, local, remote_ids, note, deadline))
+        agent._wake.set()
+        return req.handle
+
+    # ---- on the lane's thread --------------------------------------------------------
+    def run_lane(self, remote: tuple[str, int], items: list) -> None:
+        """One producer's (or consumer's) batch of reads, writes and jobs, in that order."""
+        agent = self._agent
+        reads = [item for item in items if isinstance(item, PendingRead)]
+        if reads:
+            agent._reads.run(remote, reads)
+        writes = [item for item in items if isinstance(item, PendingWrite)]
+        if writes:
+            run_writes(agent, remote, writes)
+        for item in items:
+            if isinstance(item, LaneJob):
+                item.run(agent)
+
+    def lane_crashed(self, items: list, exc: BaseException) -> None:
+        """A lane's batch raised something unexpected: fail every item of it, typed."""
+        agent = self._agent
+        error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"internal error: {exc!r}")
+        for item in items:
+            if isinstance(item, LaneJob):
+                item.fail(error)
+            else:
+                agent._engine.fail(item.req, error)
+        agent._wake.set()
