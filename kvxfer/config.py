@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from kvxfer.errors import ConfigError
 from kvxfer.types import TransferPath
 
-__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "PROGRESS_THREAD_MIN_CORES", "TRANSFER_PATHS", "parse_flag",
-           "parse_seconds", "progress_thread_wanted"]
+__all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "PROGRESS_THREAD_MIN_CORES", "TRANSFER_PATHS", "check_count",
+           "check_port", "check_seconds", "parse_flag", "parse_seconds", "progress_thread_wanted"]
 
 #: Ways ``Agent.read`` may move a request (see ``AgentConfig.transfer_path``).
 TRANSFER_PATHS = ("auto", "ipc", "staged", "direct")
+
+#: The least ``max_message_bytes`` may be: a handshake carries the NIXL agent's metadata.
+MIN_MESSAGE_BYTES = 64 << 10
 
 #: Hard cap a producer holds an unclaimed request's blocks (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default).
 DEFAULT_LEASE_TIMEOUT = 480.0
@@ -47,6 +53,50 @@ def parse_seconds(raw: Any, name: str) -> float:
     if not value > 0:
         raise ConfigError(f"{name} must be positive; got {raw!r}")
     return value
+
+
+def check_seconds(value: Any, name: str, *, none: bool = False) -> float | None:
+    """A positive, finite number of seconds passed in code (an int or float, numpy's included; not a
+    bool or a string: text from files and the environment goes through ``parse_seconds``).
+
+    Args:
+        none: None is allowed (and returned): "no limit".
+
+    Raises:
+        ConfigError: anything else (names ``name`` and the value).
+    """
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        allowed = " or None" if none else ""
+        raise ConfigError(f"{name} must be a positive, finite number of seconds{allowed}; got {value!r}")
+    return float(value)
+
+
+def check_count(value: Any, name: str, low: int = 0, high: int | None = None) -> int:
+    """An integer in ``[low, high]`` passed in code (numpy's ints too; not a bool, a float or a string).
+
+    Raises:
+        ConfigError: anything else (names ``name``, the range and the value).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"{name} must be an integer {span}; got {value!r}")
+    return int(value)
+
+
+def check_port(value: Any, name: str) -> int:
+    """A TCP port in [0, 65535] (0: any free port): an integer, or its decimal text.
+
+    Raises:
+        ConfigError: anything else (names ``name`` and the value).
+    """
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= 65535:
+        raise ConfigError(f"{name} must be a port number in [0, 65535]; got {value!r}")
+    return int(value)
 
 
 _TRUE = ("true", "1", "yes", "on")
@@ -153,45 +203,50 @@ class AgentConfig:
     express_port: int | None = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.backends, str) or not all(isinstance(b, str) and b for b in self.backends):
-            raise ConfigError(f"backends must be a list of backend names; got {self.backends!r}")
-        object.__setattr__(self, "backends", tuple(self.backends))
-        if not isinstance(self.dp_rank, int) or self.dp_rank < 0:
-            raise ConfigError(f"dp_rank must be a non-negative integer; got {self.dp_rank!r}")
+        set_ = partial(object.__setattr__, self)
+        if self.side_channel_host is not None and (not isinstance(self.side_channel_host, str)
+                                                   or not self.side_channel_host.strip()):
+            raise ConfigError(f"side_channel_host must be a host name or address, or None; "
+                              f"got {self.side_channel_host!r}")
+        if self.side_channel_port is not None:
+            set_("side_channel_port", check_port(self.side_channel_port, "side_channel_port"))
+        set_("dp_rank", check_count(self.dp_rank, "dp_rank"))
+        backends = self.backends
+        if isinstance(backends, (str, bytes)) or not isinstance(backends, (list, tuple)) or not backends \
+                or not all(isinstance(b, str) and b for b in backends):
+            raise ConfigError(f"backends must be a non-empty list of backend names; got {backends!r}")
+        set_("backends", tuple(backends))
         for name in ("lease_timeout", "handshake_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number of seconds; got {value!r}")
-        if self.transfer_timeout is not None and self.transfer_timeout <= 0:
-            raise ConfigError(f"transfer_timeout must be positive or None; got {self.transfer_timeout!r}")
-        if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
-            raise ConfigError(f"staging_bytes must be a non-negative integer; got {self.staging_bytes!r}")
+            set_(name, check_seconds(getattr(self, name), name))
+        set_("transfer_timeout", check_seconds(self.transfer_timeout, "transfer_timeout", none=True))
+        if isinstance(self.auth_key, str):
+            set_("auth_key", self.auth_key.encode())
+        if self.auth_key is not None and not isinstance(self.auth_key, bytes):
+            raise ConfigError(f"auth_key must be bytes, a str or None; got {type(self.auth_key).__name__}")
+        if not isinstance(self.allow_conversion, bool):
+            raise ConfigError(f"allow_conversion must be True or False; got {self.allow_conversion!r}")
+        set_("staging_bytes", check_count(self.staging_bytes, "staging_bytes"))
+        set_("max_message_bytes", check_count(self.max_message_bytes, "max_message_bytes", MIN_MESSAGE_BYTES))
         if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:
             raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "
                               f"got {self.transfer_path!r}")
-        object.__setattr__(self, "transfer_path", TransferPath(self.transfer_path))  # equal to its string
-        if (not isinstance(self.pipeline_slot_bytes, int) or self.pipeline_slot_bytes <= 0
-                or self.pipeline_slot_bytes % 256):
+        set_("transfer_path", TransferPath(self.transfer_path))  # equal to its string
+        set_("pipeline_slot_bytes", check_count(self.pipeline_slot_bytes, "pipeline_slot_bytes", 256))
+        if self.pipeline_slot_bytes % 256:
             raise ConfigError(f"pipeline_slot_bytes must be a positive multiple of 256; "
                               f"got {self.pipeline_slot_bytes!r}")
-        if not isinstance(self.pipeline_slots, int) or not 1 <= self.pipeline_slots <= 4096:
-            raise ConfigError(f"pipeline_slots must be an integer in [1, 4096]; got {self.pipeline_slots!r}")
+        set_("pipeline_slots", check_count(self.pipeline_slots, "pipeline_slots", 1, 4096))
         pi = self.progress_interval
-        if isinstance(pi, bool) or not isinstance(pi, (int, float)) or not 0 <= pi <= 1:
+        if isinstance(pi, bool) or not isinstance(pi, numbers.Real) or not 0 <= pi <= 1:
             raise ConfigError(f"progress_interval must be a number of seconds in [0, 1]; got {pi!r}")
         if self.nixl_progress_thread is not None and not isinstance(self.nixl_progress_thread, bool):
             raise ConfigError(f"nixl_progress_thread must be True, False or None (auto); "
                               f"got {self.nixl_progress_thread!r}")
-        if self.metrics_port is not None and (isinstance(self.metrics_port, bool)
-                                              or not isinstance(self.metrics_port, int)
-                                              or not 0 <= self.metrics_port <= 65535):
-            raise ConfigError(f"metrics_port must be an integer in [0, 65535] or None; got {self.metrics_port!r}")
-        if self.express_port is not None and (isinstance(self.express_port, bool)
-                                              or not isinstance(self.express_port, int)
-                                              or not 0 <= self.express_port <= 65535):
-            raise ConfigError(f"express_port must be an integer in [0, 65535] or None; got {self.express_port!r}")
-        if isinstance(self.auth_key, str):
-            object.__setattr__(self, "auth_key", self.auth_key.encode())
+        for name in ("metrics_port", "express_port"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, str) or not isinstance(value, numbers.Integral)
+                                      or isinstance(value, bool) or not 0 <= value <= 65535):
+                raise ConfigError(f"{name} must be an integer in [0, 65535] or None; got {value!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "AgentConfig":

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.submit import address, deadline_for
+from kvxfer.agent.args import address, deadline_for, request_id as checked_id
 from kvxfer.errors import ConfigError, KvxferError, LeaseExpiredError, PeerLostError, TransferFailedError
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import MAX_PAYLOAD, Announce, Refuse
@@ -136,7 +136,10 @@ def start_announce(agent: "Agent", remote, request_id: str, block_ids, payload: 
     agent._require_cache()
     if agent._address is None:
         raise ConfigError("announce needs this agent's listener: call listen() first")
+    request_id = checked_id(request_id)
     blocks = check_block_ids("block_ids", block_ids, agent.spec.num_blocks)
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ConfigError(f"payload must be bytes; got {type(payload).__name__}")
     payload = bytes(payload)
     if len(payload) > MAX_PAYLOAD:
         raise ConfigError(f"payload: expected at most {MAX_PAYLOAD} bytes; got {len(payload)}")

@@ -27,7 +27,8 @@ from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reads import ReadFlow, links_for
-from kvxfer.agent.submit import AbortJob, Submissions, address
+from kvxfer.agent.args import address, request_id as checked_id, request_ids as checked_ids
+from kvxfer.agent.submit import AbortJob, Submissions
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
@@ -76,6 +77,10 @@ class Agent:
                  transport: Transport | None = None) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec; got {type(spec).__name__}")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name must be a non-empty str; got {name!r}")
+        if config is not None and not isinstance(config, AgentConfig):
+            raise ConfigError(f"config must be an AgentConfig or None; got {type(config).__name__}")
         self.spec = spec
         self.config = config or AgentConfig.from_env()
         self.engine_id = new_engine_id(name)
@@ -231,8 +236,9 @@ class Agent:
             ClosedError: the agent is closed.
         """
         self._check_open()
+        checked_id(request_id)
         self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease,
-                          named=tuple(consumer_engines or ()), replace=replace)
+                          named=consumer_engines or (), replace=replace)
         self._reports.forget(request_id)
         self._wake.set()
 
@@ -244,14 +250,15 @@ class Agent:
         read may still be moving the blocks: reuse them only once ``finished()`` lists the
         request (in ``aborted``, even if that read completes). ALREADY_ENDING: an earlier
         release, abort or expiry is already waiting on a window: the same rule. See
-        ``ReleaseOutcome``. Does not block; never raises for the request's state; thread-safe.
+        ``ReleaseOutcome``. Does not block; never raises for the request's state (ConfigError for
+        a ``request_id`` that is not a non-empty str); thread-safe.
         """
-        return self._leases.release(request_id, ReleaseReason.ABORTED)
+        return self._leases.release(checked_id(request_id), ReleaseReason.ABORTED)
 
     def holding(self, request_id: str) -> bool:
         """True until ``request_id``'s blocks are really free (also while a release waits on a
         claim window). Does not block, drains nothing."""
-        return self._leases.held(request_id)
+        return self._leases.held(checked_id(request_id))
 
     def status(self, request_id: str) -> RequestState:
         """Where ``request_id`` stands on this agent, without draining anything: any number of
@@ -264,7 +271,7 @@ class Agent:
         write's sender sees IN_FLIGHT and then UNKNOWN (its handle has the outcome). Does not
         block (locks only); thread-safe. See ``RequestState``.
         """
-        live = self._leases.state(request_id)
+        live = self._leases.state(checked_id(request_id))
         if live is not None:
             return live
         if self._engine is not None and self._engine.has(request_id):
@@ -283,6 +290,7 @@ class Agent:
         """
         self._check_open()
         self._require_cache()
+        host, port = address((host, port), "connect's (host, port)")
         return self._peers.get(host, port, refresh=refresh)
 
     def read(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
@@ -371,7 +379,7 @@ class Agent:
         for name, value in (("producers", producers), ("writes", writes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1; got {value!r}")
-        self._reports.expect_writes(request_id, producers, writes)
+        self._reports.expect_writes(checked_id(request_id), producers, writes)
 
     # ---- push, consumer first (kvxfer/agent/announce.py, streams.py) -------------------
     def announce(self, remote: tuple[str, int], request_id: str, block_ids, *, payload: bytes = b"",
@@ -400,11 +408,11 @@ class Agent:
         address, engine, destination blocks, payload), in arrival order; empty until one arrives,
         and again after a consumer's ``abort`` (then ``status`` says ABORTED) or ``forget_announced``.
         Kept at most ``config.lease_timeout`` seconds. Does not block; drains nothing."""
-        return self._announced.get(request_id)
+        return self._announced.get(checked_id(request_id))
 
     def forget_announced(self, request_id: str) -> None:
         """Producer: drop the announcements of ``request_id`` (it is pushed, or given up)."""
-        self._announced.forget(request_id)
+        self._announced.forget(checked_id(request_id))
 
     def open_writes(self, remote: tuple[str, int], request_id: str, *,
                     timeout: float | None = None) -> WriteStream:
@@ -418,12 +426,12 @@ class Agent:
         self._check_open()
         self._require_cache()
         timeout = self.config.transfer_timeout if timeout is None else timeout
-        return WriteStream(self, address(remote), request_id, timeout)
+        return WriteStream(self, address(remote), checked_id(request_id), timeout)
 
     def take_aux(self, request_id: str) -> dict[str, bytes]:
         """Consumer: the aux payloads that came with a received push of ``request_id``, by producer
         engine id (empty when none). Taken once; the most recent 1,024 wait to be taken."""
-        return self._reports.take_aux(request_id)
+        return self._reports.take_aux(checked_id(request_id))
 
     def abort(self, request_id: str, remote: tuple[str, int] | None = None, *,
               wait: bool = True) -> AbortOutcome | None:
@@ -440,9 +448,14 @@ class Agent:
         tells the producer from its lane (after any read of it queued before), for an engine
         thread that must not wait on a peer. Otherwise this call blocks for side-channel round
         trips to the producer ranks: at most ``config.handshake_timeout`` each (plus one
-        handshake per lost link). Raises only ``ClosedError`` (a closed agent). Thread-safe.
+        handshake per lost link). Raises only ``ClosedError`` (a closed agent) and, before it
+        changes anything, ``ConfigError`` (a ``request_id`` that is not a non-empty str, a
+        ``remote`` that is not a (host, port) pair). Thread-safe.
         """
         self._check_open()
+        checked_id(request_id)
+        if remote is not None:
+            remote = address(remote)
         if remote is None:  # a read not yet claimed (still on its lane): its producer is known
             remote = self._read_remotes.get(request_id)
         links = self._claims.pop(request_id)  # before cancelling: the handle's callback drops it
@@ -470,9 +483,11 @@ class Agent:
 
         Raises:
             ClosedError: the agent is closed.
+            ConfigError: ``remote`` is not a (host, port) pair, or ``request_ids`` is not a list of
+                request ids (a lone str is refused: pass ``[request_id]``).
         """
         self._check_open()
-        return send_keepalive(self, remote, request_ids)
+        return send_keepalive(self, address(remote), checked_ids(request_ids))
 
     # ---- reporting -----------------------------------------------------------------
     def finished(self) -> Finished:

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.submit import MAX_BLOCK_ID, deadline_for
+from kvxfer.agent.args import MAX_BLOCK_ID, deadline_for
 from kvxfer.agent.writes import PendingWrite
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
+from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.reads import PendingRead
@@ -31,31 +32,11 @@ from kvxfer.types import Direction, ReadRequest
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
 
-__all__ = ["MAX_BLOCK_ID", "AbortJob", "Submissions", "address", "deadline_for"]
+__all__ = ["AbortJob", "Submissions"]
 
 log = logging.getLogger("kvxfer.agent")
 
-MAX_BLOCK_ID = (1 << 63) - 1  # remote ids are checked against the peer's cache by the plan
-
 _UNSET = object()
-
-
-def address(remote) -> tuple[str, int]:
-    """``remote`` as a ``(host, port)`` key; ConfigError when it is not one."""
-    try:
-        host, port = remote
-        return str(host), int(port)
-    except (TypeError, ValueError):
-        raise ConfigError(f"remote must be a (host, port) pair; got {remote!r}") from None
-
-
-def deadline_for(timeout, now: float) -> float | None:
-    """A transfer's deadline from its ``timeout`` (None: none); ConfigError for a bad timeout."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"timeout must be a positive number of seconds or None; got {timeout!r}")
-    return now + timeout
 
 
 @dataclass
@@ -85,9 +66,11 @@ class Submissions:
         """``Agent.read_many`` after its open and registration checks: raises at once for a bad
         request (nothing booked), else one handle per request, in order."""
         agent = self._agent
+        requests = sequence(requests, "read_many's requests")
         for rr in requests:
             if not isinstance(rr, ReadRequest):
                 raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
+            request_id(rr.request_id)
         # the step's ids checked together (the same checks and errors as one by one)
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)
@@ -154,15 +137,16 @@ class Submissions:
                                    same_format=bool(rr.same_format)))
         return out
 
-    def write(self, remote, local_blocks, remote_blocks, request_id: str, timeout: float | None) -> TransferHandle:
+    def write(self, remote, local_blocks, remote_blocks, rid: str, timeout: float | None) -> TransferHandle:
         """``Agent.write`` after its open and registration checks."""
         agent = self._agent
+        request_id(rid)
         local = check_block_ids("local", local_blocks, agent.spec.num_blocks)
         remote_ids = check_block_ids("remote", remote_blocks, MAX_BLOCK_ID)
         key = address(remote)
         deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent._clock.now())
-        req = agent._engine.reserve(request_id, Direction.WRITE, deadline=deadline)
-        note = encode_notification(request_id, agent.engine_id, agent.config.auth_key)
+        req = agent._engine.reserve(rid, Direction.WRITE, deadline=deadline)
+        note = encode_notification(rid, agent.engine_id, agent.config.auth_key)
         if agent._metrics is not None:
             req.handle.add_done_callback(partial(agent._metrics.observe, "write", "direct"))
         agent._lanes.put(key, PendingWrite(req, local, remote_ids, note, deadline))

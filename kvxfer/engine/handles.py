@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import threading
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from kvxfer.errors import KvxferError, WaitTimeout
+from kvxfer.errors import ConfigError, KvxferError, WaitTimeout
 
 __all__ = ["TransferHandle", "TransferStats"]
 
@@ -148,7 +149,10 @@ class TransferHandle:
     def add_done_callback(self, fn) -> None:
         """Call ``fn(handle)`` once on completion: on the completing thread, or at once on this
         thread if the handle is already complete. Callbacks run in the order they were added; one
-        that raises is logged (logger ``kvxfer``) and does not stop the others. Never raises."""
+        that raises is logged (logger ``kvxfer``) and does not stop the others. Raises only
+        ConfigError, at once, when ``fn`` is not callable."""
+        if not callable(fn):
+            raise ConfigError(f"a done-callback must be callable; got {fn!r}")
         with self._lock:
             if not self._finished:
                 self._callbacks.append(fn)
@@ -177,7 +181,11 @@ class TransferHandle:
                 its own deadline. Wait again, or ``Agent.abort`` it.
             TransferError (a subclass): the transfer failed; ``TransferTimeoutError`` when its
                 own deadline passed. ``ClosedError`` when the agent was closed under it.
+            ConfigError: ``timeout`` is neither None nor a number (0 or less: one look, no wait).
         """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or timeout != timeout):
+            raise ConfigError(f"wait's timeout must be a number of seconds or None; got {timeout!r}")
         end = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         spin_until = None
         try:

@@ -22,11 +22,12 @@ import heapq
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from kvxfer.clock import Clock, MonotonicClock
+from kvxfer.config import check_seconds
 from kvxfer.errors import AlreadyHeldError, ConfigError
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol.messages import PACKED_ID, engine_named, pack_ids
@@ -161,9 +162,11 @@ class LeaseTable:
         if consumers is not None and (isinstance(consumers, bool) or not isinstance(consumers, int)
                                       or consumers < 1):
             raise ConfigError(f"consumers must be an integer >= 1; got {consumers!r}")
-        if lease is not None and not lease > 0:
-            raise ConfigError(f"lease must be positive; got {lease!r}")
-        if isinstance(named, str) or not all(isinstance(n, str) and n for n in named):
+        lease = check_seconds(lease, "lease", none=True)
+        if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+            raise ConfigError(f"consumer engines must be a list of non-empty names; got {named!r}")
+        named = tuple(named)
+        if not all(isinstance(n, str) and n for n in named):
             raise ConfigError(f"consumer engines must be a list of non-empty names; got {named!r}")
         now = self._clock.now()
         with self._lock:

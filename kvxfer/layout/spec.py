@@ -118,7 +118,7 @@ class KVSpec:
                 object.__setattr__(self, name, int(value))
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size"):
             _positive(name, getattr(self, name))
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise LayoutError(f"dtype must be one of {sorted(DTYPE_SIZES)}; got {self.dtype!r}")
         try:
             object.__setattr__(self, "layout", Layout(self.layout))
@@ -130,6 +130,11 @@ class KVSpec:
             raise LayoutError(
                 f"storage must be one of {[s.value for s in Storage]}; got {self.storage!r}"
             ) from None
+        if not isinstance(self.model, str):
+            raise LayoutError(f"model must be a str (the model's name, or empty); got {self.model!r}")
+        if not isinstance(self.mla, (bool, np.bool_)):
+            raise LayoutError(f"mla must be True or False; got {self.mla!r}")
+        object.__setattr__(self, "mla", bool(self.mla))
         if not isinstance(self.tp_rank, int) or isinstance(self.tp_rank, bool) or not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank must be in [0, {self.tp_size}); got {self.tp_rank!r}")
         if self.mla and self.num_kv_heads != 1:

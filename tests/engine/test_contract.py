@@ -133,8 +133,8 @@ def test_expect_writes_defaults_to_one_producer_and_rejects_bad_counts(harness):
 
 @pytest.mark.parametrize("remote, timeout, match", [
     ("nowhere", None, "remote must be a \\(host, port\\) pair; got 'nowhere'"),
-    (None, -1.0, "timeout must be a positive number of seconds or None; got -1.0"),
-    (None, "5", "timeout must be a positive number of seconds or None; got '5'"),
+    (None, -1.0, "timeout must be a positive, finite number of seconds or None; got -1.0"),
+    (None, "5", "timeout must be a positive, finite number of seconds or None; got .5."),
 ])
 def test_a_write_with_a_bad_remote_or_timeout_raises_at_once_and_books_nothing(harness, remote, timeout, match):
     s = spec()
