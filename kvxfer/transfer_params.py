@@ -47,7 +47,7 @@ def _block_ids(raw: Any) -> tuple[int, ...]:
         if len(raw) != 1:
             raise BadParams(f"remote_block_ids has {len(raw)} KV-cache groups; only 1 is supported")
         raw = raw[0]
-    return tuple(_int(b, "remote_block_ids[i]", 0) for b in raw)
+    return tuple(_int(b, "remote_block_ids[i]", 0, (1 << 63) - 1) for b in raw)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.config import AgentConfig, progress_thread_wanted
+from kvxfer.config import AgentConfig, check_count, progress_thread_wanted
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator
@@ -376,9 +376,7 @@ class Agent:
         Raises:
             ConfigError: ``producers`` or ``writes`` not an integer >= 1 (names the value).
         """
-        for name, value in (("producers", producers), ("writes", writes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1; got {value!r}")
+        producers, writes = check_count(producers, "producers", 1), check_count(writes, "writes", 1)
         self._reports.expect_writes(checked_id(request_id), producers, writes)
 
     # ---- push, consumer first (kvxfer/agent/announce.py, streams.py) -------------------

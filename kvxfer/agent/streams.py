@@ -87,7 +87,10 @@ class WriteStream:
 
     def finish(self, aux: bytes = b"") -> TransferHandle:
         """No chunk follows; deliver ``aux`` (at most ``kvxfer.protocol.MAX_PAYLOAD`` bytes) with the
-        KV once every chunk completed. Returns ``handle``. A second call is a ConfigError."""
+        KV once every chunk completed. Returns ``handle``. A second call is a ConfigError, and so
+        is an ``aux`` that is not bytes."""
+        if not isinstance(aux, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"aux payload must be bytes; got {type(aux).__name__}")
         aux = bytes(aux)
         if len(aux) > MAX_PAYLOAD:
             raise ConfigError(f"aux payload: expected at most {MAX_PAYLOAD} bytes; got {len(aux)}")
@@ -101,7 +104,13 @@ class WriteStream:
     def abort(self, error: KvxferError, *, tell: bool = True) -> None:
         """Fail the stream now (chunks already posted still end on their own handles) and, with
         ``tell``, tell the consumer (a ``WritesDone`` naming ``error``): its request fails at once
-        instead of waiting for its deadline. Idempotent."""
+        instead of waiting for its deadline. Idempotent. ``error`` that is not a ``KvxferError``
+        is carried as a ``TransferFailedError`` naming it; one that is not an exception at all is a
+        ConfigError (raised before anything changes)."""
+        if not isinstance(error, KvxferError):
+            if not isinstance(error, BaseException):
+                raise ConfigError(f"abort takes the error to fail the stream with; got {error!r}")
+            error = TransferFailedError(f"write stream of {self.request_id!r} aborted: {error!r}")
         with self._lock:
             ending, self._ending = self._ending, True
         self.handle._finish(error=error)

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.config import check_seconds
+from kvxfer.config import check_count, check_seconds
 from kvxfer.errors import AlreadyHeldError, ConfigError
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol.messages import PACKED_ID, engine_named, pack_ids
@@ -159,9 +159,8 @@ class LeaseTable:
         that agent, or one exact engine id; see ``kvxfer.protocol.engine_named``); empty: anyone.
         """
         ids = check_block_ids("held", blocks, num_blocks)
-        if consumers is not None and (isinstance(consumers, bool) or not isinstance(consumers, int)
-                                      or consumers < 1):
-            raise ConfigError(f"consumers must be an integer >= 1; got {consumers!r}")
+        if consumers is not None:
+            consumers = check_count(consumers, "consumers", 1)
         lease = check_seconds(lease, "lease", none=True)
         if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
             raise ConfigError(f"consumer engines must be a list of non-empty names; got {named!r}")

@@ -170,3 +170,26 @@ def test_kvspec_refuses_a_malformed_field_naming_it_and_the_value(field, bad):
     with pytest.raises(LayoutError, match=field) as info:
         KVSpec(**base)
     assert repr(bad) in str(info.value)
+
+
+def test_a_write_stream_refuses_an_aux_that_is_not_bytes_and_an_abort_that_is_no_error(pair):
+    s, cons, ccache, prod, pcache = pair
+    cons.announce(prod.address, "w", [0])
+    stream = prod.open_writes(cons.address, "w")
+    stream.write([1], [0])
+    for bad in (5, "text", None):   # bytes(5) would have been five zero bytes
+        with pytest.raises(ConfigError, match=f"aux payload must be bytes; got {type(bad).__name__}"):
+            stream.finish(bad)
+    with pytest.raises(ConfigError, match="abort takes the error to fail the stream with; got 'stop'"):
+        stream.abort("stop")
+    stream.finish(b"aux").wait(5)                # neither slip finished or failed the stream
+    assert cons.take_aux("w") == {prod.engine_id: b"aux"}
+    for layer in range(s.num_layers):
+        np.testing.assert_array_equal(ccache[layer][:, [0]], pcache[layer][:, [1]])
+
+
+def test_counts_may_be_numpy_integers(pair):
+    s, cons, ccache, prod, pcache = pair
+    prod.hold("c", [1], consumers=np.int64(1))
+    cons.expect_writes("e", np.int64(1), writes=np.int32(1))
+    cons.read(prod.address, [3], [1], "c").wait(5)
