@@ -337,8 +337,11 @@ class Agent:
         written into another's destination. Reads to different producers never wait on each
         other.
 
+        ``requests``: a list, or any iterable (read once), of ``ReadRequest``.
+
         Raises (at once, nothing submitted): what ``read`` raises at once, for any request of the
-        batch (two requests of the batch with one id: RequestInFlightError).
+        batch (two requests of the batch with one id: RequestInFlightError); ConfigError when
+        ``requests`` is not an iterable of ``ReadRequest``.
         """
         started = time.perf_counter()
         self._check_open()
