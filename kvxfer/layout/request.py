@@ -62,11 +62,13 @@ def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndar
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     flat = np.concatenate(arrays)
     if flat.size:
-        if flat.min() < 0 or flat.max() >= bound:
+        top = int(flat.max())
+        if flat.min() < 0 or top >= bound:
             return [check_block_ids(side, ids, bound) for ids in lists]  # raises, naming the id
         owner = np.repeat(np.arange(len(arrays), dtype=np.int64), sizes)
-        if bound * len(arrays) < 2**62:  # one sort key: (list, id) as one integer
-            keys = np.sort(owner * bound + flat.astype(np.int64, copy=False))
+        span = top + 1  # every id is below it: (list, id) as one integer when it fits
+        if span * len(arrays) < 2**62:
+            keys = np.sort(owner * span + flat.astype(np.int64, copy=False))
             repeated = bool((keys[1:] == keys[:-1]).any())
         else:
             order = np.lexsort((flat, owner))
