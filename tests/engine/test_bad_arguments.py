@@ -7,7 +7,7 @@ import pytest
 
 from kvxfer import AgentConfig, ConfigError, KVSpec, LayoutError, ReadRequest, RequestState
 
-from agent_helpers import spec
+from agent_helpers import spec, wait_for
 
 NOT_AN_ID = [None, 7, b"r", ("r",), ""]
 NOT_SECONDS = ["5", -1.0, 0, True, float("nan"), float("inf"), [1]]
@@ -183,6 +183,7 @@ def test_a_write_stream_refuses_an_aux_that_is_not_bytes_and_an_abort_that_is_no
     with pytest.raises(ConfigError, match="abort takes the error to fail the stream with; got 'stop'"):
         stream.abort("stop")
     stream.finish(b"aux").wait(5)                # neither slip finished or failed the stream
+    assert wait_for(lambda: cons.status("w") is RequestState.RECEIVED)   # once its write is counted too
     assert cons.take_aux("w") == {prod.engine_id: b"aux"}
     for layer in range(s.num_layers):
         np.testing.assert_array_equal(ccache[layer][:, [0]], pcache[layer][:, [1]])
