@@ -116,6 +116,8 @@ def test_other_slips_are_refused_naming_the_value(pair):
         prod.hold("r", [1], consumer_engines=3)
     with pytest.raises(ConfigError, match="read_many's requests must be a list; got None"):
         cons.read_many(None)
+    with pytest.raises(ConfigError, match="same_format must be True or False; got 'no'"):
+        cons.read_many([ReadRequest(prod.address, [3], [1], "sf", same_format="no")])  # "no" is truthy
     with pytest.raises(ConfigError, match="payload must be bytes; got str"):
         cons.announce(prod.address, "a", [0], payload="text")
     prod.hold("r", [1, 2])
