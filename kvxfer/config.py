@@ -44,14 +44,16 @@ def parse_seconds(raw: Any, name: str) -> float:
     """A positive number of seconds from a config value (number or numeric string).
 
     Raises:
-        ConfigError: not a number, or not positive (names ``name`` and the value).
+        ConfigError: not a number, or not positive and finite (names ``name`` and the value).
     """
+    if isinstance(raw, bool):
+        raise ConfigError(f"{name} must be a number of seconds; got {raw!r}")
     try:
         value = float(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
-    if not value > 0:
-        raise ConfigError(f"{name} must be positive; got {raw!r}")
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a positive, finite number of seconds; got {raw!r}")
     return value
 
 
@@ -111,8 +113,8 @@ def _env_float(name: str) -> float | None:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive; got {raw!r}")
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a positive, finite number of seconds; got {raw!r}")
     return value
 
 
@@ -261,6 +263,8 @@ class AgentConfig:
         backends = os.environ.get("KVXFER_BACKENDS")
         if backends:
             values["backends"] = tuple(b.strip() for b in backends.split(",") if b.strip())
+            if not values["backends"]:
+                raise ConfigError(f"KVXFER_BACKENDS must name at least one backend; got {backends!r}")
         path = os.environ.get("KVXFER_TRANSFER_PATH")
         if path:
             if path.strip().lower() not in TRANSFER_PATHS:

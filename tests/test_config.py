@@ -5,7 +5,7 @@ import os
 import pytest
 
 from kvxfer import AgentConfig, ConfigError
-from kvxfer.config import PROGRESS_THREAD_MIN_CORES, progress_thread_wanted
+from kvxfer.config import PROGRESS_THREAD_MIN_CORES, parse_seconds, progress_thread_wanted
 
 
 @pytest.mark.parametrize("raw,want", [("0", False), ("off", False), ("1", True), ("True", True), ("auto", None)])
@@ -104,3 +104,23 @@ def test_progress_interval_env_junk_names_the_variable(monkeypatch, raw):
 def test_progress_interval_field_is_checked(bad):
     with pytest.raises(ConfigError, match="progress_interval must be a number of seconds in \\[0, 1\\]"):
         AgentConfig(progress_interval=bad)
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-1", "0", "soon"])
+def test_lease_timeout_env_junk_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("KVXFER_LEASE_TIMEOUT", raw)
+    with pytest.raises(ConfigError, match=f"KVXFER_LEASE_TIMEOUT must be a .*; got '{raw}'"):
+        AgentConfig.from_env()
+
+
+def test_backends_env_naming_none_is_refused(monkeypatch):
+    monkeypatch.setenv("KVXFER_BACKENDS", " , ")
+    with pytest.raises(ConfigError, match="KVXFER_BACKENDS must name at least one backend; got ' , '"):
+        AgentConfig.from_env()
+
+
+@pytest.mark.parametrize("raw", [float("inf"), "nan", True, "-2", None])
+def test_parse_seconds_refuses_what_is_not_positive_finite_seconds(raw):
+    with pytest.raises(ConfigError, match="kv_lease_timeout must be a"):
+        parse_seconds(raw, "kv_lease_timeout")
+    assert parse_seconds("2.5", "kv_lease_timeout") == 2.5 == parse_seconds(2.5, "x")
