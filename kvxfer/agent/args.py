@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from kvxfer.config import check_port, check_seconds
 from kvxfer.errors import ConfigError
 
-__all__ = ["MAX_BLOCK_ID", "address", "deadline_for", "request_id", "request_ids", "sequence"]
+__all__ = ["MAX_BLOCK_ID", "address", "deadline_for", "flag", "request_id", "request_ids", "sequence"]
 
 MAX_BLOCK_ID = (1 << 63) - 1  # remote ids are checked against the peer's cache by the plan
 
@@ -23,6 +25,13 @@ def request_id(value, name: str = "request_id") -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{name} must be a non-empty str; got {value!r} ({type(value).__name__})")
     return value
+
+
+def flag(value, name: str) -> bool:
+    """A switch given in code: True or False (numpy's bool too), never a truthy string like "no"."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
 
 
 def request_ids(values, name: str = "request_ids") -> list[str]:

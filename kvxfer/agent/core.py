@@ -27,7 +27,7 @@ from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reads import ReadFlow, links_for
-from kvxfer.agent.args import address, request_id as checked_id, request_ids as checked_ids
+from kvxfer.agent.args import address, flag, request_id as checked_id, request_ids as checked_ids
 from kvxfer.agent.submit import AbortJob, Submissions
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
@@ -237,6 +237,7 @@ class Agent:
         """
         self._check_open()
         checked_id(request_id)
+        flag(replace, "replace")
         self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease,
                           named=consumer_engines or (), replace=replace)
         self._reports.forget(request_id)
@@ -291,6 +292,7 @@ class Agent:
         self._check_open()
         self._require_cache()
         host, port = address((host, port), "connect's (host, port)")
+        flag(refresh, "refresh")
         return self._peers.get(host, port, refresh=refresh)
 
     def read(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
@@ -455,6 +457,7 @@ class Agent:
         """
         self._check_open()
         checked_id(request_id)
+        flag(wait, "wait")
         if remote is not None:
             remote = address(remote)
         if remote is None:  # a read not yet claimed (still on its lane): its producer is known

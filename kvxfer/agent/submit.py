@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
-
-from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
+from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, flag, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.reads import PendingRead
@@ -73,8 +71,7 @@ class Submissions:
             if not isinstance(rr, ReadRequest):
                 raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
             request_id(rr.request_id)
-            if not isinstance(rr.same_format, (bool, np.bool_)):
-                raise ConfigError(f"same_format must be True or False; got {rr.same_format!r}")
+            flag(rr.same_format, "same_format")
         # the step's ids checked together (the same checks and errors as one by one)
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)

@@ -118,6 +118,13 @@ def test_other_slips_are_refused_naming_the_value(pair):
         cons.read_many(None)
     with pytest.raises(ConfigError, match="same_format must be True or False; got 'no'"):
         cons.read_many([ReadRequest(prod.address, [3], [1], "sf", same_format="no")])  # "no" is truthy
+    with pytest.raises(ConfigError, match="replace must be True or False; got 'no'"):
+        prod.hold("sw", [1], replace="no")
+    with pytest.raises(ConfigError, match="wait must be True or False; got 'no'"):
+        cons.abort("sw", prod.address, wait="no")
+    with pytest.raises(ConfigError, match="refresh must be True or False; got 1"):
+        cons.connect(*prod.address, refresh=1)
+    assert prod.status("sw") is RequestState.UNKNOWN
     with pytest.raises(ConfigError, match="payload must be bytes; got str"):
         cons.announce(prod.address, "a", [0], payload="text")
     prod.hold("r", [1, 2])
