@@ -13,7 +13,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.types import TransferPath
 
 __all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "PROGRESS_THREAD_MIN_CORES", "TRANSFER_PATHS", "check_count",
-           "check_port", "check_seconds", "parse_flag", "parse_seconds", "progress_thread_wanted"]
+           "check_flag", "check_port", "check_seconds", "parse_flag", "parse_seconds", "progress_thread_wanted"]
 
 #: Ways ``Agent.read`` may move a request (see ``AgentConfig.transfer_path``).
 TRANSFER_PATHS = ("auto", "ipc", "staged", "direct")
@@ -75,6 +75,18 @@ def check_seconds(value: Any, name: str, *, none: bool = False) -> float | None:
     return float(value)
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """A switch passed in code: True or False (numpy's bool too), never a truthy string like "no".
+
+    Raises:
+        ConfigError: anything else (names ``name`` and the value).
+    """
+    numpy_bool = getattr(value, "dtype", None) is not None and value.dtype.kind == "b" and value.ndim == 0
+    if not isinstance(value, bool) and not numpy_bool:
+        raise ConfigError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
+
+
 def check_count(value: Any, name: str, low: int = 0, high: int | None = None) -> int:
     """An integer in ``[low, high]`` passed in code (numpy's ints too; not a bool, a float or a string).
 
@@ -107,15 +119,7 @@ _FALSE = ("false", "0", "no", "off", "")
 
 def _env_float(name: str) -> float | None:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number of seconds; got {raw!r}") from None
-    if not 0 < value < math.inf:
-        raise ConfigError(f"{name} must be a positive, finite number of seconds; got {raw!r}")
-    return value
+    return None if raw is None or raw == "" else parse_seconds(raw, name)
 
 
 #: ``nixl_progress_thread=None`` (auto) runs NIXL's busy-polling progress thread only where the
@@ -225,8 +229,7 @@ class AgentConfig:
             set_("auth_key", self.auth_key.encode())
         if self.auth_key is not None and not isinstance(self.auth_key, bytes):
             raise ConfigError(f"auth_key must be bytes, a str or None; got {type(self.auth_key).__name__}")
-        if not isinstance(self.allow_conversion, bool):
-            raise ConfigError(f"allow_conversion must be True or False; got {self.allow_conversion!r}")
+        set_("allow_conversion", check_flag(self.allow_conversion, "allow_conversion"))
         set_("staging_bytes", check_count(self.staging_bytes, "staging_bytes"))
         set_("max_message_bytes", check_count(self.max_message_bytes, "max_message_bytes", MIN_MESSAGE_BYTES))
         if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.args import address, deadline_for, request_id as checked_id
+from kvxfer.agent.args import address, deadline_for, payload as checked_payload, request_id as checked_id
+from kvxfer.config import check_count
 from kvxfer.errors import ConfigError, KvxferError, LeaseExpiredError, PeerLostError, TransferFailedError
 from kvxfer.layout.request import check_block_ids
-from kvxfer.protocol import MAX_PAYLOAD, Announce, Refuse
+from kvxfer.protocol import Announce, Refuse
 
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
@@ -138,13 +139,8 @@ def start_announce(agent: "Agent", remote, request_id: str, block_ids, payload: 
         raise ConfigError("announce needs this agent's listener: call listen() first")
     request_id = checked_id(request_id)
     blocks = check_block_ids("block_ids", block_ids, agent.spec.num_blocks)
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise ConfigError(f"payload must be bytes; got {type(payload).__name__}")
-    payload = bytes(payload)
-    if len(payload) > MAX_PAYLOAD:
-        raise ConfigError(f"payload: expected at most {MAX_PAYLOAD} bytes; got {len(payload)}")
-    if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
-        raise ConfigError(f"producers must be an integer >= 1; got {producers!r}")
+    payload = checked_payload(payload, "payload")
+    producers = check_count(producers, "producers", 1)
     deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent._clock.now())
     remote = address(remote)
     agent._reports.expect_writes(request_id, producers, None, deadline)

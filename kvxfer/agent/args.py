@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from kvxfer.config import check_port, check_seconds
 from kvxfer.errors import ConfigError
+from kvxfer.protocol import MAX_PAYLOAD
 
-__all__ = ["MAX_BLOCK_ID", "address", "deadline_for", "flag", "request_id", "request_ids", "sequence"]
+__all__ = ["MAX_BLOCK_ID", "address", "deadline_for", "payload", "request_id", "request_ids", "sequence"]
 
 MAX_BLOCK_ID = (1 << 63) - 1  # remote ids are checked against the peer's cache by the plan
 
@@ -27,22 +26,9 @@ def request_id(value, name: str = "request_id") -> str:
     return value
 
 
-def flag(value, name: str) -> bool:
-    """A switch given in code: True or False (numpy's bool too), never a truthy string like "no"."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ConfigError(f"{name} must be True or False; got {value!r}")
-    return bool(value)
-
-
 def request_ids(values, name: str = "request_ids") -> list[str]:
     """A list of request ids (any iterable but a lone ``str`` or bytes, which is a common slip)."""
-    if isinstance(values, (str, bytes)):
-        raise ConfigError(f"{name} must be a list of request ids, not one {type(values).__name__}; got {values!r}")
-    try:
-        items = list(values)
-    except TypeError:
-        raise ConfigError(f"{name} must be a list of request ids; got {values!r}") from None
-    return [request_id(v, f"each of {name}") for v in items]
+    return [request_id(v, f"each of {name}") for v in sequence(values, name, "of request ids")]
 
 
 def address(remote, name: str = "remote") -> tuple[str, int]:
@@ -62,11 +48,22 @@ def deadline_for(timeout, now: float) -> float | None:
     return None if seconds is None else now + seconds
 
 
-def sequence(values, name: str) -> Sequence:
-    """``values`` as a list, for an argument that takes many items."""
+def sequence(values, name: str, of: str = "") -> Sequence:
+    """``values`` as a list, for an argument that takes many items (``of``: what, for the error)."""
+    kind = f"a list {of}".rstrip()
     if isinstance(values, (str, bytes)):
-        raise ConfigError(f"{name} must be a list; got one {type(values).__name__}: {values!r}")
+        raise ConfigError(f"{name} must be {kind}, not one {type(values).__name__}; got {values!r}")
     try:
         return list(values)
     except TypeError:
-        raise ConfigError(f"{name} must be a list; got {values!r}") from None
+        raise ConfigError(f"{name} must be {kind}; got {values!r}") from None
+
+
+def payload(value, name: str) -> bytes:
+    """Bytes an engine sends along (bytes, bytearray or memoryview), at most ``MAX_PAYLOAD``."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ConfigError(f"{name} must be bytes; got {type(value).__name__}")
+    data = bytes(value)
+    if len(data) > MAX_PAYLOAD:
+        raise ConfigError(f"{name}: expected at most {MAX_PAYLOAD} bytes; got {len(data)}")
+    return data

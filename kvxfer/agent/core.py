@@ -27,14 +27,14 @@ from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reads import ReadFlow, links_for
-from kvxfer.agent.args import address, flag, request_id as checked_id, request_ids as checked_ids
+from kvxfer.agent.args import address, request_id as checked_id, request_ids as checked_ids
 from kvxfer.agent.submit import AbortJob, Submissions
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.config import AgentConfig, check_count, progress_thread_wanted
+from kvxfer.config import AgentConfig, check_count, check_flag as flag, progress_thread_wanted
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator

@@ -16,12 +16,12 @@ import time
 from typing import TYPE_CHECKING
 
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.args import MAX_BLOCK_ID, deadline_for
+from kvxfer.agent.args import MAX_BLOCK_ID, deadline_for, payload
 from kvxfer.agent.writes import PendingWrite
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
 from kvxfer.layout.request import check_block_ids
-from kvxfer.protocol import MAX_PAYLOAD, Refuse, WritesDone, encode_notification
+from kvxfer.protocol import Refuse, WritesDone, encode_notification
 from kvxfer.types import Direction
 
 if TYPE_CHECKING:
@@ -89,11 +89,7 @@ class WriteStream:
         """No chunk follows; deliver ``aux`` (at most ``kvxfer.protocol.MAX_PAYLOAD`` bytes) with the
         KV once every chunk completed. Returns ``handle``. A second call is a ConfigError, and so
         is an ``aux`` that is not bytes."""
-        if not isinstance(aux, (bytes, bytearray, memoryview)):
-            raise ConfigError(f"aux payload must be bytes; got {type(aux).__name__}")
-        aux = bytes(aux)
-        if len(aux) > MAX_PAYLOAD:
-            raise ConfigError(f"aux payload: expected at most {MAX_PAYLOAD} bytes; got {len(aux)}")
+        aux = payload(aux, "aux payload")
         with self._lock:
             if self._aux is not None:
                 raise ConfigError(f"write stream of {self.request_id!r} is already finished")

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
-from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, flag, request_id, sequence
+from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.reads import PendingRead
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
+from kvxfer.config import check_flag
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
 from kvxfer.layout.request import check_block_id_lists, check_block_ids
 from kvxfer.protocol import encode_notification
@@ -71,7 +72,7 @@ class Submissions:
             if not isinstance(rr, ReadRequest):
                 raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
             request_id(rr.request_id)
-            flag(rr.same_format, "same_format")
+            check_flag(rr.same_format, "same_format")
         # the step's ids checked together (the same checks and errors as one by one)
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)

@@ -162,11 +162,10 @@ class LeaseTable:
         if consumers is not None:
             consumers = check_count(consumers, "consumers", 1)
         lease = check_seconds(lease, "lease", none=True)
-        if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+        names = tuple(named) if isinstance(named, Iterable) and not isinstance(named, (str, bytes)) else None
+        if names is None or not all(isinstance(n, str) and n for n in names):
             raise ConfigError(f"consumer engines must be a list of non-empty names; got {named!r}")
-        named = tuple(named)
-        if not all(isinstance(n, str) and n for n in named):
-            raise ConfigError(f"consumer engines must be a list of non-empty names; got {named!r}")
+        named = names
         now = self._clock.now()
         with self._lock:
             old = self._holds.get(request_id)
