@@ -146,16 +146,15 @@ class ReadFlow:
         self._agent = agent
 
     # ---- the lane's batch ---------------------------------------------------------
-    def route_inline(self, remote: tuple[str, int], reads: list[PendingRead]) -> bool:
-        """Step 2 on the caller's thread when every link is ready and the same-host kernel serves
-        the reads (see the module doc); True when it did (then ``launch_inline`` follows, and
-        the lane sends the claims). Never blocks on a peer."""
+    def route_inline(self, remote: tuple[str, int], reads: list[PendingRead], ready) -> bool:
+        """Step 2 on the caller's thread when every link is ready (``ready``: ``ready_links``, made
+        once per producer for the step) and the same-host kernel serves the reads (see the module
+        doc); True when it did (then ``launch_inline`` follows). Never blocks on a peer."""
         agent = self._agent
         # Only where the kernel serves the reads: other paths start after the grant anyway, and
         # routing them (descriptor tables) here would only lengthen the call.
         if not agent._kit.vram or agent.config.transfer_path not in ("auto", "ipc"):
             return False
-        ready = ready_links(agent._peers, agent.spec, remote)
         if ready is None or not ready[0] \
                 or any(agent._kit.ipc_why(link) is not None for link in ready[0]):
             return False
@@ -205,15 +204,15 @@ class ReadFlow:
             log.exception("kvxfer: launching reads")
             self.crashed(reads, exc)
 
-    def claim_inline(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
+    def claim_inline(self, reads: list[PendingRead], ready) -> None:
         """Step 4's claim sent on the caller's thread, where that cannot wait on the peer: the
         producer (one rank to claim from) is handshaken, and its express lane takes the message
         now (``Claims.try_send_many``). The claim then travels while the lane thread wakes up;
-        otherwise the lane sends it. Nothing here raises or blocks."""
+        otherwise the lane sends it (also where a link broke since ``ready``: ``try_send`` then
+        sends nothing). Nothing here raises or blocks."""
         agent = self._agent
         live = [r for r in reads if r.live and r.sent is None]
-        ready = ready_links(agent._peers, agent.spec, remote) if live else None
-        if ready is None or len(ready[0]) + len(ready[1]) != 1:
+        if not live or ready is None or len(ready[0]) + len(ready[1]) != 1:
             return
         try:
             wait = self._time_left(live)

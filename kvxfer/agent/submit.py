@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.reads import PendingRead
+from kvxfer.agent.reads import PendingRead, ready_links
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.config import check_flag
@@ -93,9 +93,10 @@ class Submissions:
             # I/O on this thread), and the claims to a known producer are sent here when that
             # cannot wait on it, before the lane wakes: a lane woken first would take turns on the
             # interpreter with this thread, and the claim would wait for the lane to wake.
-            if flow.route_inline(remote, reads):
+            ready = ready_links(agent._peers, agent.spec, remote)  # no I/O: None unless all handshaken
+            if flow.route_inline(remote, reads, ready):
                 flow.launch_inline(reads)
-            flow.claim_inline(remote, reads)
+            flow.claim_inline(reads, ready)
             agent._lanes.put_many(remote, reads)
         metrics = agent._metrics
         for read in pending:  # after the launch: a handle already complete runs them here, at once
