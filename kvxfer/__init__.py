@@ -8,6 +8,7 @@ See docs/api.md for the public API and docs/architecture.md for the layers.
 from kvxfer.config import AgentConfig
 from kvxfer.engine.handles import TransferHandle, TransferStats
 from kvxfer.errors import (
+    AbortedError,
     AlreadyHeldError,
     AuthenticationError,
     BackendError,
@@ -48,6 +49,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AbortOutcome",
+    "AbortedError",
     "Agent",
     "AgentConfig",
     "AgentStats",

@@ -15,6 +15,8 @@
     │   ├── TransferFailedError     the transport reported a failure
     │   ├── PeerLostError           the peer went away (or restarted) mid-conversation
     │   └── LeaseExpiredError       the producer no longer holds the blocks (expired or released)
+    │       └── AbortedError        this agent's own ``abort`` ended the transfer (the producer
+    │                               did nothing wrong: do not count it against the peer)
     ├── BackendError                the transport library itself failed (NIXL, UCX)
     ├── ClosedError                 the object was used after *you* closed it
     └── WaitTimeout                 a *wait* ran out; the transfer goes on (also a TimeoutError)
@@ -28,6 +30,7 @@ Every error that compares two values names both (``expected ...; got ...``).
 from __future__ import annotations
 
 __all__ = [
+    "AbortedError",
     "AlreadyHeldError",
     "AuthenticationError",
     "BackendError",
@@ -115,6 +118,14 @@ class PeerLostError(TransferError):
 
 class LeaseExpiredError(TransferError):
     """The producer no longer holds the request's blocks (lease expired, aborted or released)."""
+
+
+class AbortedError(LeaseExpiredError):
+    """This agent's own ``Agent.abort`` (or a push's consumer abort) ended the transfer: the
+    engine asked for it, the producer lost nothing. A subclass of ``LeaseExpiredError`` (the
+    producer's hold ends with the abort, and code that caught that before still does); a
+    failure policy that must tell the engine's own abort from a producer's loss checks this
+    class first. docs/api.md ("When a read fails") says what the engine may do with each."""
 
 
 class BackendError(KvxferError):

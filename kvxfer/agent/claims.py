@@ -1,9 +1,15 @@
-"""A consumer's claims on producer ranks: sent together, collected, undone, aborted (layer: agent; talks to peers only through ``PeerDirectory``/``PeerLink``, never to the backend or a socket).
+"""A consumer's claims on producer ranks: sent together, collected, given back (layer: agent; talks to peers only through ``PeerDirectory``/``PeerLink``, never to the backend or a socket).
 
 A read claims its blocks on every producer rank it depends on before it may report success:
-``send`` puts every rank's claim on the wire at once (the round trips overlap each other and
-whatever the read does next), ``answers`` collects them and keeps the grants, and a refusal or a
-lost rank gives every other grant back. ``abort_at`` tells one rank to release a request; with
+``send_many`` puts every rank's claim on the wire at once (the round trips overlap each other and
+whatever the read does next), ``answers`` collects them once they are in (``ready`` says when,
+without waiting) and keeps the grants, and a refusal or a lost rank gives every other grant back.
+
+Giving a grant back (``give_back``, ``undo``, the other ranks of a refused claim) tells the
+producer rank to release the request, a round trip that may wait on a dead or frozen peer for a
+whole handshake timeout: it never runs on the thread that asks. It is handed to ``defer`` with
+the producer instance's lane key, so it runs on that producer's lane thread, in order with the
+reads queued there after it. ``abort_at`` (``Agent.abort``) tells one rank at once; with
 ``same_engine`` only the engine that granted it is told (a producer restarted since never did).
 """
 
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -31,26 +38,33 @@ class Claims:
         peers: the agent's links.
         engine_id: this consumer's engine id (named in every claim and abort).
         timeout: seconds for one side-channel round trip (``AgentConfig.handshake_timeout``).
+        defer: ``defer(key, fn)`` runs ``fn()`` later on the lane of ``key`` (a producer
+            instance's address); default: at once, on the calling thread.
     """
 
-    def __init__(self, peers: PeerDirectory, engine_id: str, timeout: float) -> None:
+    def __init__(self, peers: PeerDirectory, engine_id: str, timeout: float,
+                 defer: Callable[[tuple, Callable[[], object]], None] | None = None) -> None:
         self._peers, self._engine_id, self._timeout = peers, engine_id, timeout
+        self._defer = defer or (lambda key, fn: fn())
         self._granted: dict[str, list[PeerLink]] = {}
+        self._lanes: dict[str, tuple] = {}  # request id -> the lane key its claim was sent for
         self._lock = threading.Lock()
 
     def send(self, request_id: str, remote_ids: np.ndarray, links: list[PeerLink], window: float = 0.0,
-             timeout: float | None = None) -> list:
+             timeout: float | None = None, lane: tuple | None = None) -> list:
         """Send the claim to every rank now; returns ``(link, PendingAnswer or the error its send
         raised)`` for ``answers``. ``timeout`` bounds the wait for each answer (default: the
-        agent's round-trip timeout; a read passes what is left of its own timeout)."""
-        return self.send_many([(request_id, remote_ids, window)], links, timeout)[0]
+        agent's round-trip timeout; a read passes what is left of its own timeout). ``lane``:
+        the producer instance's lane key its give-backs run on (default: the first rank's)."""
+        return self.send_many([(request_id, remote_ids, window)], links, timeout, lane)[0]
 
     def send_many(self, items: list[tuple[str, np.ndarray, float]], links: list[PeerLink],
-                  timeout: float | None = None) -> list[list]:
+                  timeout: float | None = None, lane: tuple | None = None) -> list[list]:
         """Claim many requests ``(request_id, remote_ids, window)`` on every rank of ``links`` at once:
         one ``ClaimBatch`` per rank that answers them (``PeerInfo.batch_claims``), else one ``Claim``
         per request. Returns, per item, the ``sent`` list ``answers`` takes."""
         wait = self._timeout if timeout is None else timeout
+        self._note_lanes(items, lane if lane is not None else _key(links[0]) if links else None)
         out: list[list] = [[] for _ in items]
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
@@ -81,6 +95,7 @@ class Claims:
                       timeout: float) -> list[list] | None:
         """``send_many`` to one rank, only where that cannot wait on the peer (``PeerLink.try_send``):
         the ``sent`` lists, or None with nothing sent (then ``send_many`` does it)."""
+        self._note_lanes(items, _key(link))
         claims = self._claims(items, bool(link.info.packed_ids))
         batch = link.info.batch_claims and len(claims) > 1
         if not batch and len(claims) > 1:
@@ -92,6 +107,23 @@ class Claims:
             return [[(link, pending)]]
         shared = _SharedReply(pending, len(claims))
         return [[(link, _NthReply(shared, i))] for i in range(len(claims))]
+
+    def _note_lanes(self, items: list, lane: tuple | None) -> None:
+        if lane is None:
+            return
+        with self._lock:
+            for item in items:
+                self._lanes[item[0]] = lane
+
+    def ready(self, sent: list, wait: float = 0.0) -> bool:
+        """Whether every answer of ``sent`` is in (``answers`` then never waits on a peer), after
+        waiting at most ``wait`` seconds for the first one still out. Never raises."""
+        for _, pending in sent:
+            if isinstance(pending, KvxferError):
+                continue
+            if not pending.ready(wait):
+                return False
+        return True
 
     def _claims(self, items: list[tuple[str, np.ndarray, float]], packed: bool) -> list[Claim]:
         """The claims of ``items``: ids packed in one pass for a current peer, listed for an older one."""
@@ -125,12 +157,16 @@ class Claims:
             self._granted[request_id] = granted
 
     def undo(self, request_id: str, sent: list) -> None:
-        """Collect the answers of a claim the read no longer wants, and give back every grant."""
-        try:
-            self.answers(request_id, sent)
-        except KvxferError:
-            return  # the other grants were given back already
-        self.give_back(request_id)
+        """A claim the read no longer wants: on its lane (never here), collect its answers and
+        give back every grant."""
+        def run() -> None:
+            try:
+                self.answers(request_id, sent)
+            except KvxferError:
+                return  # the other grants were given back already
+            self.give_back(request_id)
+
+        self._defer(self._lane_of(request_id, sent[0][0] if sent else None), run)
 
     def pop(self, request_id: str) -> list[PeerLink] | None:
         """Forget ``request_id``'s grants (its read ended); returns the ranks that granted it."""
@@ -138,12 +174,29 @@ class Claims:
             return self._granted.pop(request_id, None)
 
     def give_back(self, request_id: str) -> None:
-        """Release ``request_id`` at every rank that granted it (the read will not happen)."""
+        """Release ``request_id`` at every rank that granted it (the read will not happen), on the
+        producer's lane: this returns at once."""
         self.abort_links(request_id, self.pop(request_id) or [])
 
     def abort_links(self, request_id: str, links: list[PeerLink]) -> None:
-        for link in links:
-            self.abort_at(link, request_id, same_engine=True)
+        """Tell each of ``links`` to release ``request_id``, on the producer's lane (returns at once)."""
+        if not links:
+            return
+        key = self._lane_of(request_id, links[0])
+
+        def run() -> None:
+            for link in links:
+                self.abort_at(link, request_id, same_engine=True)
+
+        self._defer(key, run)
+
+    def _lane_of(self, request_id: str, link: PeerLink | None) -> tuple | None:
+        with self._lock:
+            key = self._lanes.get(request_id)
+            if len(self._lanes) > 4096:  # forget the oldest: without its key a give-back runs on its rank's lane
+                for old in list(self._lanes)[:1024]:
+                    del self._lanes[old]
+        return key if key is not None else (_key(link) if link is not None else None)
 
     def abort_at(self, link: PeerLink, request_id: str, same_engine: bool = False) -> AbortOutcome:
         """Tell one producer rank to release ``request_id``; never raises (the outcome says what
@@ -187,6 +240,9 @@ class _SharedReply:
                                  f"{len(getattr(reply, 'replies', ()))} replies ({type(reply).__name__})")
         return reply.replies[index]
 
+    def ready(self, wait: float = 0.0) -> bool:
+        return self._reply is not None or isinstance(self._pending, KvxferError) or self._pending.ready(wait)
+
     def cancel(self) -> None:
         self._pending.cancel()
 
@@ -203,8 +259,15 @@ class _NthReply:
             raise reply
         return reply
 
+    def ready(self, wait: float = 0.0) -> bool:
+        return self._shared.ready(wait)
+
     def cancel(self) -> None:
         self._shared.cancel()
+
+
+def _key(link: PeerLink) -> tuple:
+    return (link.host, link.port)
 
 
 def _answer(pending):

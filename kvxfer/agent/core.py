@@ -21,13 +21,14 @@ from kvxfer.engine.paths.packing import PackServer
 from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
 from kvxfer.agent.claims import Claims
 from kvxfer.agent.heartbeats import send_keepalive, tell_abort
-from kvxfer.agent.progress import run_progress
+from kvxfer.agent.progress import drive_once, run_progress
 from kvxfer.agent.streams import WriteStream
 from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reads import ReadFlow, links_for
 from kvxfer.agent.args import address, request_id as checked_id, request_ids as checked_ids
+from kvxfer.agent.jobs import Deferred
 from kvxfer.agent.submit import AbortJob, Submissions
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.reports import AgentStats, Finished, Reports
@@ -40,7 +41,7 @@ from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.engine.transfers import TransferEngine
 from kvxfer.errors import (
-    ClosedError, ConfigError, LeaseExpiredError, RegistrationError,
+    AbortedError, ClosedError, ConfigError, RegistrationError,
 )
 from kvxfer.layout import CacheView, KVSpec
 from kvxfer.memory import MemoryRegistry, host_view
@@ -109,7 +110,7 @@ class Agent:
                                     backend.remove_peer, self.config.handshake_timeout,
                                     getattr(backend, "connect", None), channel=self._transport.channel,
                                     express=self.config.express_port is not None)
-        self._claims = Claims(self._peers, self.engine_id, self.config.handshake_timeout)
+        self._claims = Claims(self._peers, self.engine_id, self.config.handshake_timeout, defer=self._defer)
         self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
         self._packer: PackServer | None = None  # serves staged reads as a producer
@@ -120,6 +121,7 @@ class Agent:
         self._closed = False
         self._setup = threading.Lock()  # register and listen run once each, whichever thread calls
         self._wake = threading.Event()
+        self._expired_at = 0.0  # when leases were last expired (``drive_once``)
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
         self._thread.start()
         self._metrics: AgentMetrics | None = None
@@ -465,7 +467,7 @@ class Agent:
         links = self._claims.pop(request_id)  # before cancelling: the handle's callback drops it
         self._reports.cancel(request_id)      # a push (announce) of it: late writes are dropped
         if self._engine is not None:
-            self._engine.cancel(request_id, LeaseExpiredError(f"request {request_id!r} aborted by the consumer"))
+            self._engine.cancel(request_id, AbortedError(f"request {request_id!r} aborted by the consumer"))
         if not wait:
             key = address(remote) if remote is not None else (
                 (links[0].host, links[0].port) if links else None)
@@ -492,6 +494,26 @@ class Agent:
         """
         self._check_open()
         return send_keepalive(self, address(remote), checked_ids(request_ids))
+
+    # ---- an engine's step -------------------------------------------------------------
+    def poll(self) -> int:
+        """Move every transfer of this agent on, on the calling thread: an engine calls it once
+        per step (before ``finished()``, or before looking at its handles).
+
+        Takes the claims' answers that have come (a granted direct read is posted here), polls
+        every transfer, completes or fails the handles whose transfer ended (their done-callbacks
+        run here), drains failed ones, delivers the producer-side notices that came (a read
+        reported done, a write arrived: ``finished()`` lists them at once) and expires leases.
+        Never waits on a peer; returns at once when another thread is doing the same. kvxfer's
+        own thread does all of this too, for engines that never call it; calling it only takes
+        that thread's hand-over out of the read's time.
+
+        Returns how many of this agent's transfers are still in flight (draining and
+        quarantined ones included). Raises ClosedError once closed.
+        """
+        self._check_open()
+        drive_once(self)
+        return self._engine.in_flight() if self._engine is not None else 0
 
     # ---- reporting -----------------------------------------------------------------
     def finished(self) -> Finished:
@@ -570,6 +592,15 @@ class Agent:
                    timeout: float | None = None) -> tuple[list[PeerLink], list[PeerLink]]:
         """Links to the remote ranks this rank reads from, and to those it only notifies."""
         return links_for(self._peers, self.spec, address(remote), timeout)
+
+    def _defer(self, key: tuple | None, fn) -> None:
+        """Run ``fn`` on ``key``'s lane (a round trip that must not wait on the caller's thread)."""
+        if key is None:
+            return
+        try:
+            self._lanes.put(key, Deferred(fn, "giving a claim back"))
+        except RuntimeError:  # closed: the producer's lease ends the hold
+            log.debug("a claim's give-back after close: dropped")
 
     def _notify_done(self, link: PeerLink, request_id: str) -> None:
         """Tell a producer that predates ``Done`` that this consumer is done (its NIXL notification)."""

@@ -21,6 +21,7 @@ log = logging.getLogger("kvxfer.agent")
 class _Lane:
     def __init__(self, lock: threading.Lock) -> None:
         self.items: list = []
+        self.running = False   # a batch of this lane is being run now
         self.thread: threading.Thread | None = None
         self.cond = threading.Condition(lock)  # this lane's own wake-up: work for another lane leaves it asleep
 
@@ -81,6 +82,7 @@ class PeerLanes:
                         del self._lanes[key]
                     return
                 batch, lane.items = lane.items, []
+                lane.running = True
             try:
                 self._run(key, batch)
             except BaseException as exc:  # noqa: BLE001 - the lane must outlive any one batch
@@ -90,6 +92,16 @@ class PeerLanes:
                         self._crashed(batch, exc)
                     except Exception:  # noqa: BLE001
                         log.exception("kvxfer lane %s: failing its batch", _label(key))
+            finally:
+                with self._lock:
+                    lane.running = False
+
+    def idle(self, key: Hashable) -> bool:
+        """Whether ``key``'s lane has nothing queued and runs nothing now: work done elsewhere for
+        that peer cannot overtake work queued on the lane before it."""
+        with self._lock:
+            lane = self._lanes.get(key)
+            return lane is None or (not lane.items and not lane.running)
 
     def busy(self) -> int:
         """Lanes with a thread now."""

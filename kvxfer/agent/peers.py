@@ -129,6 +129,13 @@ class PendingAnswer:
         """The decoded reply (raises as ``PeerLink.ask``)."""
         return self.link.session.response(self._pending.reply(), self._message)
 
+    def ready(self, wait: float = 0.0) -> bool:
+        """Whether ``answer()`` returns (or raises) without waiting on the peer, after waiting
+        at most ``wait`` seconds for that. A transport that cannot tell says True: then only a
+        lane's thread may take the answer (``try_send`` sends only where it can tell)."""
+        ready = getattr(self._pending, "ready", None)
+        return True if ready is None else bool(ready(wait))
+
     def cancel(self) -> None:
         self._pending.cancel()
 

@@ -17,7 +17,7 @@ from kvxfer.protocol import decode_notification
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
 
-__all__ = ["on_notification", "run_progress"]
+__all__ = ["drive_once", "on_notification", "run_progress"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -36,42 +36,53 @@ def on_notification(agent: "Agent", peer: str, data: bytes) -> None:
     agent._reports.write_arrived(request_id, engine_id)
 
 
+def drive_once(agent: "Agent") -> tuple[bool, int]:
+    """One pass over everything that moves: transfers (and the claims they wait for), staged
+    pipelines, notifications, lease expiry. Runs on the progress thread and in ``Agent.poll``
+    (an engine's own thread); both may run it at once: each request is polled by one thread at
+    a time. Returns (busy: poll again without sleeping, moving: ``TransferEngine.moving``)."""
+    busy, moving = False, 0
+    engine = agent._engine
+    if engine is not None:
+        # Spin only while bytes move: a request still claiming on its lane needs no polls, and
+        # a spinning loop would take the interpreter from that lane.
+        moving = engine.moving()
+        busy = moving == 2
+        if moving or engine.in_flight():
+            engine.progress()
+        if agent._kit.router.active():
+            busy = True  # pipelines wait on notifications: deliver them at once
+            agent._packer.reap()
+    for peer, data in agent._backend.notifications():
+        on_notification(agent, peer, data)
+    now = agent._clock.now()
+    if now - agent._expired_at > 0.01:
+        agent._expired_at = now
+        agent._leases.expire()
+    return busy, moving
+
+
 def run_progress(agent: "Agent") -> None:
     """The loop, until the agent closes."""
-    last_expire = 0.0
+    wake = agent._wake
     while not agent._closed:
+        # Cleared before the pass, not after the wait: a wake-up that comes during the pass
+        # makes the wait below return at once instead of being lost.
+        wake.clear()
         busy, moving = False, 0
         try:
-            engine = agent._engine
-            if engine is not None:
-                # Spin only while bytes move: a request still claiming (on its lane) needs no
-                # polls, and a spinning loop would take the interpreter from that lane.
-                moving = engine.moving()
-                busy = moving == 2
-                if moving or engine.in_flight():
-                    engine.progress()
-                if agent._kit.router.active():
-                    busy = True  # pipelines wait on notifications: deliver them at once
-                    agent._packer.reap()
-            for peer, data in agent._backend.notifications():
-                on_notification(agent, peer, data)
-            now = agent._clock.now()
-            if now - last_expire > 0.01:
-                agent._leases.expire()
-                last_expire = now
+            busy, moving = drive_once(agent)
         except ClosedError:
             return
         except Exception:  # the loop must survive anything a peer can cause
             log.exception("kvxfer progress loop")
-        wake = agent._wake
         if busy:
             # UCX moves shared-memory data inside our polls: spin while transfers are in flight
             if agent.config.progress_interval:
                 wake.wait(agent.config.progress_interval)
             else:
                 time.sleep(0)
-        elif moving == 1:  # kernels or pipelines in flight: look again soon, not in a spin
+        elif moving == 1:  # kernels, pipelines or claims' answers in flight: look again soon, not in a spin
             wake.wait(0.0002)
         else:
             wake.wait(0.001 if len(agent._leases) else 0.005)
-        wake.clear()

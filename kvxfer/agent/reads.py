@@ -38,6 +38,7 @@ where waiting costs one round trip and leaves nothing behind.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
     from kvxfer.agent.peers import PeerLink
 
-__all__ = ["PendingRead", "ReadFlow", "links_for", "rank_port", "ready_links"]
+__all__ = ["PendingRead", "ReadFlow", "ReadStep", "links_for", "rank_port", "ready_links"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -145,24 +146,55 @@ class ReadFlow:
     def __init__(self, agent: "Agent") -> None:
         self._agent = agent
 
-    # ---- the lane's batch ---------------------------------------------------------
-    def route_inline(self, remote: tuple[str, int], reads: list[PendingRead], ready) -> bool:
-        """Step 2 on the caller's thread when every link is ready (``ready``: ``ready_links``, made
-        once per producer for the step) and the same-host kernel serves the reads (see the module
-        doc); True when it did (then ``launch_inline`` follows). Never blocks on a peer."""
+    # ---- on the caller's thread -------------------------------------------------------
+    def start_here(self, remote: tuple[str, int], reads: list[PendingRead], ready) -> bool:
+        """Route, launch (IPC) and claim a step's reads to one producer on the caller's thread,
+        where that cannot wait on the peer: every link is handshaken (``ready``: ``ready_links``),
+        the producer has one rank to claim from, and its express lane takes the claim now
+        (``Claims.try_send_many``). True when done so: the reads then move on whichever thread
+        polls them (``ReadStep.advance``), with no lane. False when the lane must carry them
+        (a staged read, several ranks, a socket without room): nothing was sent, their routes
+        are kept. A read refused for its own arguments fails here, before any claim."""
         agent = self._agent
-        # Only where the kernel serves the reads: other paths start after the grant anyway, and
-        # routing them (descriptor tables) here would only lengthen the call.
-        if not agent._kit.vram or agent.config.transfer_path not in ("auto", "ipc"):
+        if ready is None or not ready[0] or len(ready[0]) + len(ready[1]) != 1:
             return False
-        if ready is None or not ready[0] \
-                or any(agent._kit.ipc_why(link) is not None for link in ready[0]):
-            return False
+        links = ready[0]
+        live = [r for r in reads if r.live and r.route is None]
         try:
-            self._route_step([r for r in reads if r.live], ready[0])
-        except Exception as exc:  # noqa: BLE001 - fail what it left; the lane skips failed reads
+            if agent._kit.vram and agent.config.transfer_path in ("auto", "ipc") \
+                    and all(agent._kit.ipc_why(link) is None for link in links):
+                self._route_step(live, links)
+            else:
+                for r in live:
+                    self._route(r, links)
+        except Exception as exc:  # noqa: BLE001 - fail what it left; nothing was sent
             log.exception("kvxfer: routing reads to %s:%d", *remote)
             self.crashed(reads, exc)
+            return True
+        routed = [r for r in reads if r.live and r.route is not None]
+        if any(r.route.mode is TransferPath.STAGED for r in routed):
+            return False  # staged reads wait their turn on the lane (see ``_start_staged``)
+        if not routed:
+            return True
+        try:
+            wait = self._time_left(routed)
+        except TransferTimeoutError as exc:
+            self._fail_all(routed, exc)
+            return True
+        # An IPC kernel starts before its claim leaves: the claim's round trip overlaps it.
+        self.launch(routed)
+        try:
+            sent = agent._claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in routed],
+                                               links[0], wait)
+        except KvxferError:
+            sent = None  # the lane's own send meets it again and reports it
+        if sent is None:
+            return False
+        started = time.perf_counter()
+        for r, answer in zip(routed, sent):
+            r.claim_started, r.sent = started, answer
+        step = ReadStep(self, routed, links)
+        agent._engine.on_advance([r.req for r in routed], step.advance)
         return True
 
     def _route_step(self, reads: list[PendingRead], links: list) -> None:
@@ -195,8 +227,8 @@ class ReadFlow:
             else:
                 self._route(r, links)
 
-    def launch_inline(self, reads: list[PendingRead]) -> None:
-        """Step 3 on the caller's thread, before the reads are queued on their lane."""
+    def launch(self, reads: list[PendingRead]) -> None:
+        """Launch the IPC reads of ``reads`` not launched yet (one kernel launch per rank)."""
         try:
             self._launch_ipc([r for r in reads if r.live and r.route is not None
                               and r.route.mode is TransferPath.IPC and not r.launched])
@@ -204,28 +236,7 @@ class ReadFlow:
             log.exception("kvxfer: launching reads")
             self.crashed(reads, exc)
 
-    def claim_inline(self, reads: list[PendingRead], ready) -> None:
-        """Step 4's claim sent on the caller's thread, where that cannot wait on the peer: the
-        producer (one rank to claim from) is handshaken, and its express lane takes the message
-        now (``Claims.try_send_many``). The claim then travels while the lane thread wakes up;
-        otherwise the lane sends it (also where a link broke since ``ready``: ``try_send`` then
-        sends nothing). Nothing here raises or blocks."""
-        agent = self._agent
-        live = [r for r in reads if r.live and r.sent is None]
-        if not live or ready is None or len(ready[0]) + len(ready[1]) != 1:
-            return
-        try:
-            wait = self._time_left(live)
-            sent = agent._claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in live],
-                                               (ready[0] + ready[1])[0], wait)
-        except KvxferError:
-            return  # the lane's own send meets it again and handles it
-        if sent is None:
-            return
-        started = time.perf_counter()
-        for r, answer in zip(live, sent):
-            r.claim_started, r.sent = started, answer
-
+    # ---- on a lane -------------------------------------------------------------------
     def run(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
         """Carry out ``reads`` (all to ``remote``); every one ends on its handle, typed."""
         pending = [r for r in reads if r.live]
@@ -392,8 +403,8 @@ class ReadFlow:
                     part.notification = b""
             for r in live:
                 if id(r) in failed:
-                    agent._claims.give_back(r.request_id)
                     self._fail(r, failed[id(r)])
+                    agent._claims.give_back(r.request_id)  # on the producer's lane, after the failure
                     # its other parts, if any, were posted: attach them so the read ends only with them
                 # lone parts (no job yet) are posted by the engine here, with their notification
                 self._attach(r, [p for p in parts[id(r)] if p.job is not None or id(r) not in failed],
@@ -513,6 +524,49 @@ class ReadFlow:
         if left <= 0:
             raise TransferTimeoutError("a read's timeout passed before its transfer started")
         return min(left, limit)
+
+
+class ReadStep:
+    """A step's reads to one producer whose claim left from the caller's thread (``start_here``):
+    what is left of them moves on (their grant, post or failure) on whichever thread polls one
+    of them, through ``advance``, never on a lane.
+
+    ``advance(block)`` takes the claim's answers that are in (waiting at most ``block`` seconds
+    for the first one still out: the socket's poll, not the interpreter) and settles those reads
+    as the lane would (``ReadFlow._settle``): a granted direct read is posted on this thread, a
+    granted IPC read may complete at once, a refused one fails typed. A read that ended meanwhile
+    (its deadline, an abort) has its claim given back on the producer's lane. One thread settles
+    a step at a time; another thread's call returns at once (or after ``block``)."""
+
+    def __init__(self, flow: ReadFlow, reads: list[PendingRead], links: list) -> None:
+        self._flow, self._links = flow, links
+        self._open = list(reads)
+        self._lock = threading.Lock()
+
+    def advance(self, block: float = 0.0) -> bool:
+        """Settle what can be; True once nothing of the step is left to settle."""
+        if not self._lock.acquire(timeout=block) if block > 0 else not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._open:
+                return True
+            claims = self._flow._agent._claims
+            ready, waiting = [], []
+            for r in self._open:
+                wait = block if not ready and not waiting else 0.0  # a step's claims share one answer
+                (ready if r.sent is None or claims.ready(r.sent, wait) else waiting).append(r)
+            self._open = []
+            for r in waiting:
+                if r.live:
+                    self._open.append(r)
+                else:  # ended before its answer came: the grant, if any, goes back on the lane
+                    claims.undo(r.request_id, r.sent)
+                    r.sent = None
+            if ready:
+                self._flow._settle(ready, self._links)
+            return not self._open
+        finally:
+            self._lock.release()
 
 
 def _check_same_format(spec, links: list) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvxfer.errors import KvxferError, TransferFailedError, TransferTimeoutError
@@ -82,6 +83,13 @@ STATUS_MEMORY = 10_000
 #: How many received requests' aux payloads wait for ``Agent.take_aux`` (the oldest is dropped first).
 _AUX_MEMORY = 1_024
 
+#: How many reports wait for ``Agent.finished()`` at most: an engine that never drains them does
+#: not grow without bound; past it the oldest report is dropped (``Agent.status`` still answers
+#: for the request) and a warning is logged once per drain.
+REPORT_LIMIT = 65_536
+
+log = logging.getLogger("kvxfer.agent")
+
 
 class Reports:
     """Thread-safe accumulation of ``Finished`` sets, drained by the user, and the last state of
@@ -99,6 +107,28 @@ class Reports:
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._memory = memory
         self._clock = clock
+        self._order: deque = deque()  # (kind, request id) in the order reported, for REPORT_LIMIT
+        self._dropped = 0
+
+    def _report(self, kind: str, request_id: str, error: KvxferError | None = None) -> None:
+        """Add one report to the current ``Finished`` (caller holds the lock), dropping the oldest
+        past ``REPORT_LIMIT``."""
+        current = self._current
+        if kind == "failed":
+            current.failed[request_id] = error
+        else:
+            getattr(current, kind).add(request_id)
+        self._order.append((kind, request_id))
+        while len(self._order) > REPORT_LIMIT:
+            old_kind, old = self._order.popleft()
+            if old_kind == "failed":
+                current.failed.pop(old, None)
+            else:
+                getattr(current, old_kind).discard(old)
+            self._dropped += 1
+            if self._dropped == 1:
+                log.warning("finished() has not been drained: more than %d reports wait; the oldest are "
+                            "dropped (status() still knows them). Call finished() once per step.", REPORT_LIMIT)
 
     def _remember(self, request_id: str, state: RequestState) -> None:
         """Record an ended request's state (caller holds the lock); forget the oldest past the cap."""
@@ -123,10 +153,10 @@ class Reports:
         error = handle.exception()
         with self._lock:
             if error is None:
-                self._current.received.add(handle.request_id)
+                self._report("received", handle.request_id)
                 self._remember(handle.request_id, RequestState.RECEIVED)
             else:
-                self._current.failed[handle.request_id] = error
+                self._report("failed", handle.request_id, error)
                 quarantined = getattr(error, "quarantined_blocks", None)
                 self._remember(handle.request_id, RequestState.QUARANTINED if quarantined else RequestState.FAILED)
 
@@ -134,14 +164,13 @@ class Reports:
         """A producer hold ended: ``why`` is a ``ReleaseReason`` ("sent", "aborted" or "expired")."""
         reason = ReleaseReason(why)
         with self._lock:
-            {ReleaseReason.SENT: self._current.sent, ReleaseReason.ABORTED: self._current.aborted,
-             ReleaseReason.EXPIRED: self._current.expired}[reason].add(request_id)
+            self._report(reason.value, request_id)
             self._remember(request_id, RequestState(reason.value))
 
     def reclaimed(self, request_id: str) -> None:
         """A failed read's quarantined blocks are free again."""
         with self._lock:
-            self._current.reclaimed.add(request_id)
+            self._report("reclaimed", request_id)
             self._remember(request_id, RequestState.RECLAIMED)
 
     def expect_writes(self, request_id: str, producers: int = 1, writes: int | None = 1,
@@ -215,7 +244,7 @@ class Reports:
     def _fail_push(self, request_id: str, error: KvxferError) -> None:  # caller holds the lock
         self._writes.pop(request_id, None)
         self._finals.pop(request_id, None)
-        self._current.failed[request_id] = error
+        self._report("failed", request_id, error)
         self._remember(request_id, RequestState.FAILED)
 
     def _check_complete(self, request_id: str) -> None:  # caller holds the lock
@@ -237,7 +266,7 @@ class Reports:
             self._aux[request_id] = aux
             while len(self._aux) > _AUX_MEMORY:
                 self._aux.popitem(last=False)
-        self._current.received.add(request_id)
+        self._report("received", request_id)
         self._remember(request_id, RequestState.RECEIVED)
 
     def _sweep(self) -> None:  # caller holds the lock
@@ -258,4 +287,6 @@ class Reports:
         with self._lock:
             self._sweep()
             out, self._current = self._current, Finished()
+            self._order.clear()
+            self._dropped = 0
         return out

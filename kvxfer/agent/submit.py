@@ -89,15 +89,12 @@ class Submissions:
             by_peer.setdefault(read.remote, []).append(read)
         flow = agent._reads
         for remote, reads in by_peer.items():
-            # Same-host kernel reads to a known producer are routed and launched here (no peer
-            # I/O on this thread), and the claims to a known producer are sent here when that
-            # cannot wait on it, before the lane wakes: a lane woken first would take turns on the
-            # interpreter with this thread, and the claim would wait for the lane to wake.
-            ready = ready_links(agent._peers, agent.spec, remote)  # no I/O: None unless all handshaken
-            if flow.route_inline(remote, reads, ready):
-                flow.launch_inline(reads)
-            flow.claim_inline(reads, ready)
-            agent._lanes.put_many(remote, reads)
+            # A known producer's reads are routed, launched and claimed here (no peer I/O on this
+            # thread) and then move on whichever thread polls them; the lane takes them where that
+            # cannot be done (a new peer's handshake, several ranks, work queued on the lane before).
+            ready = ready_links(agent._peers, agent.spec, remote) if agent._lanes.idle(remote) else None
+            if not flow.start_here(remote, reads, ready):
+                agent._lanes.put_many(remote, reads)
         metrics = agent._metrics
         for read in pending:  # after the launch: a handle already complete runs them here, at once
             handle = read.req.handle
@@ -158,16 +155,21 @@ class Submissions:
 
     # ---- on the lane's thread --------------------------------------------------------
     def run_lane(self, remote: tuple[str, int], items: list) -> None:
-        """One producer's (or consumer's) batch of reads, writes and jobs, in that order."""
+        """One producer's (or consumer's) batch, in submission order: each run of consecutive
+        reads as one step, then writes and jobs as they come (a grant given back before a read
+        of the same request is retried reaches the producer first)."""
         agent = self._agent
-        reads = [item for item in items if isinstance(item, PendingRead)]
-        if reads:
-            agent._reads.run(remote, reads)
-        writes = [item for item in items if isinstance(item, PendingWrite)]
-        if writes:
-            run_writes(agent, remote, writes)
-        for item in items:
-            if isinstance(item, LaneJob):
+        run: list = []
+        for item in [*items, None]:
+            if isinstance(item, PendingRead):
+                run.append(item)
+                continue
+            if run:
+                agent._reads.run(remote, run)
+                run = []
+            if isinstance(item, PendingWrite):
+                run_writes(agent, remote, [item])
+            elif isinstance(item, LaneJob):
                 item.run(agent)
 
     def lane_crashed(self, items: list, exc: BaseException) -> None:

@@ -76,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--plot", help="write a GB/s vs tokens plot here (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--busy-engine", action="store_true",
+                   help="small reads while the engines are busy: a producer whose main thread is 0/50/100%% "
+                        "busy in Python, a consumer that steps 4 ms at a time and polls; raw NIXL as stock "
+                        "vLLM posts and polls it, in the same run (kvxfer.bench.busy; host memory)")
+    p.add_argument("--reads", type=int, default=20, help="--busy-engine: reads per row")
     p.add_argument("--two-hosts", action="store_true",
                    help="producer and consumer in two network namespaces joined by a veth pair (needs "
                         "root; host memory, UCX over TCP): socket line, raw NIXL with UCX's and kvxfer's "
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints the table (stdout). Returns 0, 1 if any timed transfer failed
     verification or a method errored, 2 for bad arguments."""
     args = parser().parse_args(argv)
+    if args.busy_engine:
+        return _busy(args, argv)
     try:
         if args.two_hosts:
             from kvxfer.bench import twohosts  # noqa: PLC0415
@@ -125,6 +132,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{k: r.get(k) for k in ("tokens", "method", "failed", "error")} for r in bad]),
               file=sys.stderr)
     return 1 if bad else 0
+
+
+def _busy(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--busy-engine``: the table of ``kvxfer.bench.busy`` (every read checked byte for byte)."""
+    from kvxfer.bench import busy  # noqa: PLC0415
+
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.quiet else (lambda line: None)
+    try:
+        report = busy.run_busy(reads=args.reads, progress=progress)
+    except RuntimeError as exc:
+        print(f"kvxfer bench --busy-engine: {exc}", file=sys.stderr)
+        return 1
+    report["command"] = "kvxfer bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(busy.table(report))
+    if args.json:
+        write_json(report, args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ __all__ = ["TransferHandle", "TransferStats"]
 # long transfer's waiter does not take a core from the threads moving it.
 SPIN_SECONDS = 0.002
 
+# How long one look at a request whose grant is pending may wait for its claim's answer: the
+# waiter sleeps in the socket's poll (the interpreter is free meanwhile) and wakes on the answer.
+CLAIM_SLICE = 0.02
+
 log = logging.getLogger("kvxfer")
 
 
@@ -79,7 +83,7 @@ class TransferHandle:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._poke: Callable[[], bool] | None = None  # polls this request once (set by the engine)
+        self._poke: Callable[..., bool | None] | None = None  # polls this request once (set by the engine)
         self._error: KvxferError | None = None
         self._stats: TransferStats | None = None
         self._lock = threading.Lock()
@@ -194,14 +198,18 @@ class TransferHandle:
                 if poke is None:
                     break
                 generation = self._generation
-                # poke() is False while the request is not yet posted or granted: its bytes cannot
-                # count yet, and spinning would only take the interpreter from the thread claiming
-                # it; sleep until the engine moves it on. Once it may complete, poll it here for a
-                # moment: completing it on this thread saves waking this one from another.
-                pollable = poke()
+                # poke() drives a request whose grant is pending on this thread (None: it waited
+                # up to CLAIM_SLICE for the claim's answer, look again); it is False while only
+                # another thread can move the request on (a lane claiming it): sleep until the
+                # engine moves it; once it may complete, poll it here for a moment: completing
+                # it on this thread saves waking this one from another.
+                now = time.monotonic()
+                pollable = poke(CLAIM_SLICE if end is None else min(CLAIM_SLICE, max(end - now, 0.0)))
                 now = time.monotonic()
                 if self._finished or (end is not None and now >= end):
                     break
+                if pollable is None:
+                    continue
                 if pollable is False:
                     with self._lock:
                         if self._moved is None:

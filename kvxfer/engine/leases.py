@@ -42,6 +42,7 @@ class Hold:
     blocks: np.ndarray            # sorted unique int64 block ids
     expected: int | None          # consumers that must report done; None until the first claim says
     deadline: float               # lease: when an unclaimed hold expires
+    lease: float = 0.0            # this hold's lease: what a claim or heartbeat extends it by
     windows: dict[str, float] = field(default_factory=dict)  # claimant -> end of its transfer window
     done_by: set[str] = field(default_factory=set)
     ending: str = ""              # why the hold ends once its windows close ("aborted", "expired")
@@ -179,8 +180,9 @@ class LeaseTable:
                                        f"refusing to hold {ids.size} blocks under the same id (pass "
                                        "replace=True to replace the hold)", request_id)
             unique = np.unique(ids)
-            deadline = now + (lease or self._lease)
-            self._holds[request_id] = Hold(request_id, unique, consumers, deadline,
+            lease = lease or self._lease
+            deadline = now + lease
+            self._holds[request_id] = Hold(request_id, unique, consumers, deadline, lease,
                                            named=tuple(named), _given=ids.tolist(),
                                            _packed=pack_ids(ids) or b"")
             self._look_at(request_id, deadline)
@@ -204,10 +206,11 @@ class LeaseTable:
             if hold.expected is None:
                 hold.expected = expected_if_unset
             now = self._clock.now()
-            until = now + min(window if window > 0 else self._lease, self._max_window)
+            lease = hold.lease or self._lease
+            until = now + min(window if window > 0 else lease, max(self._max_window, lease))
             hold.windows[consumer] = max(hold.windows.get(consumer, 0.0), until)
             hold.done_by.discard(consumer)  # a claim after a done starts a new read
-            hold.deadline = max(hold.deadline, now + self._lease)
+            hold.deadline = max(hold.deadline, now + lease)  # the hold's own lease, not the agent's
             self._look_at(request_id, until)
             return ClaimResult(True, lease_remaining=until - now)
 
@@ -235,7 +238,7 @@ class LeaseTable:
                 if hold is None or hold.ending or not hold.allows(consumer):
                     gone.append(rid)
                 else:
-                    hold.deadline = max(hold.deadline, now + self._lease)
+                    hold.deadline = max(hold.deadline, now + (hold.lease or self._lease))
                     alive.append(rid)
         return alive, gone
 

@@ -47,7 +47,7 @@ from kvxfer.errors import (
 )
 from kvxfer.types import Direction, MemKind, TransferPath
 
-__all__ = ["Job", "Part", "TransferEngine"]
+__all__ = ["Job", "Part", "TransferEngine", "stop_jobs"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -70,6 +70,19 @@ class Job(Protocol):
     def poll(self) -> bool: ...
 
     def cancel(self) -> bool: ...
+
+
+def stop_jobs(jobs: list, clock: Clock, grace: float) -> bool:
+    """Cancel ``jobs`` and wait (on ``clock``, up to ``grace`` seconds) until none can write any
+    more; True once confirmed. For a caller that must not return while they could (a failed
+    start); the engine's drain asks again on each pass instead."""
+    until = clock.now() + grace
+    while True:
+        ended = [bool(job.cancel()) for job in jobs]
+        if all(ended) or clock.now() >= until:
+            return all(ended)
+        jobs = [job for job, done in zip(jobs, ended) if not done]
+        clock.sleep(0.0005)
 
 
 @dataclass
@@ -106,6 +119,10 @@ class _Request:
     all_done_at: float | None = None        # engine-clock time every part was first seen done
     group: list | None = None               # the requests sharing its job (one launch for a step)
     self_moving: bool = False               # every part moves its own bytes (a kernel, a pipeline)
+    # Moves the request on while its grant is pending, on whichever thread polls it: takes the
+    # claim's answers once they are in, then grants, posts or fails (``advance(block)`` waits at
+    # most ``block`` seconds on the peer; the agent's ``ReadStep.advance``). None: a lane does it.
+    advance: Callable[[float], object] | None = None
     stats: TransferStats = field(init=False)
     # One poller at a time; the poster holds it from before it launches until ``attach``, so the
     # request cannot end (deadline, cancel) between a launch and the engine owning what it launched.
@@ -182,6 +199,7 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}   # posted, not yet ended (draining included)
         self._quarantine: dict[str, _Request] = {}  # handle failed, transfers not confirmed ended
+        self._sweeping = threading.Lock()          # one thread at a time confirms quarantined ends
         self._closed = False
 
     # ---- submission --------------------------------------------------------------
@@ -273,9 +291,9 @@ class TransferEngine:
             mode = TransferPath.HOST_STAGED if staged else TransferPath.DIRECT
         with req.lock:
             if req.finished or (req.error is not None and not started):
-                for part in parts:  # not started: nothing to wait for
-                    if part.job is not None:
-                        part.job.cancel()
+                # Jobs given here already started only if the request ended under its poster
+                # (``close``): let them end before this returns, as a drain would.
+                stop_jobs([p.job for p in parts if p.job is not None], self._clock, self._grace)
                 return False
             req.parts = list(parts)
             req.group = group
@@ -302,14 +320,20 @@ class TransferEngine:
 
     def grant(self, req: "_Request", claim_seconds: float = 0.0) -> None:
         """The request's producers granted its claim: it may succeed once its parts are done."""
-        req.stats.claim_seconds = claim_seconds
-        req.granted = True
-        if req.posted and not req.parts:
-            with req.lock:
-                if req.error is None:
-                    self._succeed(req)
+        with req.lock:
+            req.stats.claim_seconds = claim_seconds
+            req.granted = True
+            if req.posted and not req.parts and req.error is None:
+                self._succeed(req)
         if req.posted:
             req.handle._nudge()  # a waiter may poll it now (not before its post: nothing to poll)
+
+    def on_advance(self, reqs: list["_Request"], advance: Callable[[float], object]) -> None:
+        """``advance(block)`` moves ``reqs`` on while their grant is pending (see ``_Request``):
+        every poll of one of them (``done``, ``wait``, ``progress``) calls it first."""
+        for req in reqs:
+            req.advance = advance
+            req.handle._nudge()  # a waiter sleeping until the request moves: it may drive it now
 
     @contextlib.contextmanager
     def posting(self, reqs: list["_Request"]):
@@ -371,15 +395,26 @@ class TransferEngine:
             quarantined = list(self._quarantine.values())
         with self._scope():
             self._progress(requests)
-        for req in quarantined:
-            if self._end_parts(req, wait=False):
-                with self._lock:
-                    self._quarantine.pop(req.handle.request_id, None)
-                self._on_reclaimed(req.handle.request_id)
+        if not quarantined or not self._sweeping.acquire(blocking=False):
+            return
+        try:
+            for req in quarantined:
+                if self._end_parts(req, wait=False):
+                    with self._lock:
+                        if self._quarantine.pop(req.handle.request_id, None) is None:
+                            continue
+                    self._on_reclaimed(req.handle.request_id)
+        finally:
+            self._sweeping.release()
 
     def _progress(self, requests: list[_Request]) -> None:
         groups: dict[int, bool] = {}
+        advanced: set[int] = set()
         for req in requests:
+            advance = req.advance
+            if advance is not None and not req.granted and not req.finished and id(advance) not in advanced:
+                advanced.add(id(advance))  # one call moves its whole step on
+                advance(0.0)
             if _watched(req, groups):
                 continue  # a waiter polls it or its group (a kernel or pipeline: polls only observe it)
             # Never wait on a request's lock: its poster may be launching it (a slow peer's post
@@ -405,14 +440,23 @@ class TransferEngine:
             finally:
                 req.lock.release()
 
-    def _poke(self, req: _Request) -> bool:
+    def _poke(self, req: _Request, block: float = 0.0) -> bool | None:
         """Poll ``req`` once from its waiter's thread; nothing if another thread is polling it.
         When it completes, the requests of its group (a step's launch) that may complete are
         polled too, in the same pass: one waiter completes the step.
 
-        Returns False while polling cannot complete it yet (not posted, or not granted): a waiter
-        then sleeps instead of spinning. A failure is recorded here and drained by the progress
-        thread, like one it found."""
+        A request whose grant is pending is first moved on here (``_Request.advance``, waiting at
+        most ``block`` seconds for its claim's answer): the claim's answer, the post and the
+        completion all happen on the polling thread. Returns True when polled, None while the
+        grant is pending and this thread may drive it (poll again), and False while only another
+        thread can move it on (a lane claiming it): a waiter then sleeps instead of spinning. A
+        failure is recorded here and drained by the progress thread, like one it found."""
+        advance = req.advance
+        if advance is not None and not (req.posted and req.granted) and not req.finished:
+            with self._scope():
+                advance(block)
+            if not req.granted and not req.finished:
+                return None
         if not req.posted or not req.granted:
             return False
         with self._scope():
@@ -450,6 +494,8 @@ class TransferEngine:
         level = 0
         groups: dict[int, bool] = {}
         for req in requests:
+            if req.advance is not None and not req.granted and not req.finished:
+                level = max(level, 1)  # a claim's answer to take: look again soon
             if not req.posted or _watched(req, groups):
                 continue
             for part in req.parts:
@@ -542,7 +588,7 @@ class TransferEngine:
                     ended = ended and part.ended
             if ended or not wait or self._clock.now() >= until:
                 return ended
-            time.sleep(0.0005)
+            self._clock.sleep(0.0005)
 
     # ---- cancellation ------------------------------------------------------------
     def cancel(self, request_id: str, error: KvxferError) -> bool:

@@ -322,6 +322,40 @@ class LanePending:
         self._open = False
         return self._lane._await(self._id, self._timeout, self._deadline)
 
+    def ready(self, wait: float = 0.0) -> bool:
+        """Whether ``reply()`` would return or raise at once: the reply came, the lane failed, or
+        the request's deadline passed. Waits at most ``wait`` seconds for that (0: one look, which
+        reads what the socket holds when no other thread is reading it). Never raises."""
+        lane = self._lane
+        end = time.monotonic() + max(wait, 0.0)
+        while True:
+            with lane._state:
+                if not self._open or self._id in lane._replies or self._id in lane._failed \
+                        or lane._error is not None:
+                    return True
+                now = time.monotonic()
+                if now >= self._deadline:
+                    return True
+                left = min(end, self._deadline) - now
+                lead = not lane._leader
+                if lead:
+                    lane._leader = True
+                elif left <= 0:
+                    return False
+                else:
+                    lane._state.wait(left)
+                    continue
+            try:
+                lane._pump(max(left, 0.0))
+            finally:
+                with lane._state:
+                    lane._leader = False
+                    lane._state.notify_all()
+            if time.monotonic() >= end:
+                with lane._state:
+                    return (not self._open or self._id in lane._replies or self._id in lane._failed
+                            or lane._error is not None or time.monotonic() >= self._deadline)
+
     def cancel(self) -> None:
         """Give the reply up; it can never answer another request."""
         if self._open:

@@ -126,6 +126,10 @@ class _Answered:
             raise self._error
         return self._reply
 
+    def ready(self, wait: float = 0.0) -> bool:
+        """Always True: the answer was made when the request was sent."""
+        return True
+
     def cancel(self) -> None:
         self._open = False
 

@@ -10,7 +10,12 @@ driven by tuple commands, whose engine *reuses* blocks the moment ``finished()``
   as a dict); ``("rss",)``; ``("reused",)`` (rids overwritten so far, in order);
 * ``("blocks", ids)``: the cache's blocks ``ids`` (per layer arrays) as they are now;
 * ``("read", address, local, remote, rid, timeout)``: start a read and answer at once;
-* ``("write", address, local, remote, rid, timeout)``: write and wait; answers "ok" or the error's type name.
+* ``("write", address, local, remote, rid, timeout)``: write and wait; answers "ok" or the error's type name;
+* ``("status", rid)``: ``Agent.status(rid)``'s value;
+* ``("spin", seconds)``: the main thread (the engine) runs Python for ``seconds`` before it answers
+  (a busy engine thread: kvxfer's threads must win the interpreter from it);
+* ``("die_after_grant", delay)``: from now on, the process SIGKILLs itself ``delay`` seconds after it
+  first answers a claim with a grant (a producer that dies between the grant and the read's move).
 """
 
 from __future__ import annotations
@@ -122,6 +127,18 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
         return list(engine.reused)
     if op == "freed":
         return list(engine.freed)
+    if op == "spin":
+        end = time.perf_counter() + args[0]
+        x = 0
+        while time.perf_counter() < end:
+            for i in range(200):
+                x += i
+        return x
+    if op == "status":
+        return agent.status(args[0]).value
+    if op == "die_after_grant":
+        _die_after_grant(agent, args[0])
+        return True
     if op == "blocks":
         return [t[:, list(args[0])].copy() for t in engine.cache]
     if op == "read":
@@ -136,6 +153,29 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
             return type(exc).__name__
         return "ok"
     raise ValueError(f"unknown command {what!r}")
+
+
+def _die_after_grant(agent: Agent, delay: float) -> None:
+    """Wrap the producer's answer to claims: the first grant arms a SIGKILL of this process."""
+    import os
+    import signal
+
+    from kvxfer.protocol import Grant, Grants
+
+    service = agent._service
+    handle = service.handle
+    armed = []
+
+    def answer(message, peer):
+        reply = handle(message, peer)
+        granted = isinstance(reply, Grant) or (
+            isinstance(reply, Grants) and any(isinstance(r, Grant) for r in reply.replies))
+        if granted and not armed:
+            armed.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)))
+            armed[0].start()
+        return reply
+
+    service.handle = answer
 
 
 class Peer(ProducerProcess):

@@ -233,3 +233,17 @@ def test_an_abort_by_the_claimant_closes_its_own_window_only():
     table.claim("s", "a", [0], window=5.0)
     assert table.release("s", consumer="a")       # its only claimant undoes its claim: free now
     assert released[-1] == ("s", "aborted")
+
+
+def test_a_heartbeat_extends_a_hold_by_its_own_lease_not_the_tables():
+    table, clock, released = make(lease=100.0)
+    table.hold("short", [1], num_blocks=4, lease=2.0)
+    table.hold("long", [2], num_blocks=4, lease=50.0)
+    clock.advance(1.0)
+    assert table.heartbeat(["short", "long"], "d") == (["short", "long"], [])
+    clock.advance(2.5)  # past the short hold's own lease from the heartbeat; the table's would keep it
+    table.expire()
+    assert released == [("short", "expired")]
+    clock.advance(40.0)
+    table.expire()
+    assert released == [("short", "expired")]  # the long one lives by its own 50 s

@@ -37,10 +37,12 @@ class IpcJob:
         return False
 
     def cancel(self) -> bool:
-        # A launched kernel cannot be recalled: wait for it, so the caller may reuse the blocks.
-        self._event.synchronize()
-        self._launches = []
-        return True
+        # A launched kernel cannot be recalled: it has ended once its event has (the engine asks
+        # again until then; never a blocking synchronize on whichever thread drains it).
+        if self._event.done:
+            self._launches = []
+            return True
+        return False
 
 
 class PipelineJob:
@@ -88,10 +90,9 @@ class PipelineJob:
         return True
 
     def cancel(self, error: KvxferError | None = None) -> bool:
-        """Stop the pipeline; True once its worker ended (its last transfer confirmed ended)."""
+        """Stop the pipeline; True once its worker ended (its last transfer confirmed ended).
+        Never waits: the engine asks again until then."""
         first, self.cancelled = not self.cancelled, True
         if first:
             self.link.stop(error or TransferFailedError(f"{self.name}: cancelled"))
-            if threading.current_thread() is not self._thread:
-                self._thread.join(30)
         return self._done.is_set()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 from kvxfer.backend.base import Backend
@@ -165,7 +164,7 @@ class PathKit:
             stopped()
             if self.clock.now() > deadline:
                 raise TransferTimeoutError(f"no {count} free staging slots before the deadline")
-            time.sleep(0.001)
+            self.clock.sleep(0.001)
 
     def give_slots(self, slots: SlotRange) -> None:
         with self._slot_lock:

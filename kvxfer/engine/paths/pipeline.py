@@ -387,7 +387,7 @@ def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | Non
         if pending and clock.now() >= until:
             return len(pending)
         if pending:
-            time.sleep(0.0005)
+            clock.sleep(0.0005)
     return 0
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
-from kvxfer.engine.transfers import Part
+from kvxfer.engine.transfers import Part, stop_jobs
 from kvxfer.layout.pairs import unpack_pairs
 from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
@@ -45,6 +45,10 @@ from kvxfer.engine.paths.jobs import IpcJob, PipelineJob
 from kvxfer.engine.paths.choose import PathFacts, choose_path
 
 log = logging.getLogger("kvxfer.engine")
+
+#: Seconds a failed staged start waits for its started pipelines to end (their worker stops at
+#: its next receive; a move in flight ends first).
+PIPELINE_STOP_SECONDS = 30.0
 
 __all__ = ["ReadRoute", "plan_read", "shared_heads", "new_tag"]
 
@@ -107,8 +111,8 @@ class ReadRoute:
         except BaseException:
             for pack in packs[len(parts) + 1:]:  # the failing one closed its own pipe
                 _drop(kit, pack)
-            for part in parts:
-                part.job.cancel()
+            # no byte may land once this read has failed: its started pipelines end first
+            stop_jobs([part.job for part in parts], kit.clock, PIPELINE_STOP_SECONDS)
             raise
         return parts
 

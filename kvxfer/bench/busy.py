@@ -1,0 +1,287 @@
+"""``kvxfer bench --busy-engine``: small reads while the engines around the agents are busy (layer: bench app).
+
+A serving engine's own thread holds the Python interpreter most of the time; kvxfer's reads must
+not wait for it. Two processes on one host (host memory, UCX's defaults), a cache of 2 layers x
+2 KV heads x 64 dims x 16 tokens (bf16: 16 KiB a block), one read of 4 blocks (64 KiB) at a time:
+
+* **producer busy**: the producer's main thread runs Python for a share of every 8 ms (0, 50 and
+  100 %), as a scheduler loop does; the consumer reads with ``read(...).wait()``.
+* **stepping consumer**: the consumer's main thread runs 4 ms of Python per step and then polls
+  (``Agent.poll()`` where the agent has it, then ``handle.done()``): the step at which the read is
+  seen done.
+* **raw NIXL** in the same run, as stock vLLM's connector uses it: the same descriptors (one per
+  layer x K/V x block), lists prepared once, one READ posted and polled with NIXL's state check by
+  the engine's own thread, NIXL's progress thread on in both processes (as vLLM creates its NIXL
+  agents); no side channel, no producer CPU, and no protection against reused blocks. kvxfer's
+  agents run with their defaults (``AgentConfig()``: on a host of fewer than 8 cores, without
+  NIXL's progress thread).
+
+Every read is checked byte for byte. The reads go to a producer the consumer has already read
+from (warm): first contact is ``kvxfer bench --two-hosts``'s rows.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvxfer.layout.spec import KVSpec
+
+__all__ = ["run_busy"]
+
+SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=256, dtype="bfloat16",
+            model="busy-bench")
+PERIOD = 0.008   # the producer's busy/idle cycle
+STEP = 0.004     # the stepping consumer's Python per step
+BLOCKS = 4
+
+
+def _spin(seconds: float) -> None:
+    """Run Python (not a sleep, not a C call that drops the interpreter) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(200):
+            x += i
+
+
+def _cache(spec: KVSpec, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in spec.tensor_shapes()]
+
+
+def _producer(cmd: Any, out: Any, port: int) -> None:
+    """The producer process: an Agent and a raw NIXL agent over one cache; the main thread is the
+    engine (busy for ``duty`` of every ``PERIOD``) and takes commands between its turns."""
+    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
+    from kvxfer.backend.nixl import NixlBackend  # noqa: PLC0415
+
+    spec = KVSpec(**SPEC)
+    cache = _cache(spec, 1)
+    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port)
+    with Agent("busy-producer", spec, config) as agent:
+        agent.register(cache)
+        agent.listen()
+        raw = NixlBackend("busy-raw-producer", progress_thread=True)  # as stock vLLM's agents run
+        raw.register(_regions(agent))
+        out.put((agent.address, raw.metadata(), agent.cache.geometry.bases.tolist()))
+        duty = 0.0
+        while True:
+            try:
+                what = cmd.get(timeout=0 if duty else 0.05)
+            except queue.Empty:
+                what = None
+            if what == "stop":
+                break
+            if what is not None:
+                op, arg = what
+                if op == "duty":
+                    duty = float(arg)
+                elif op == "hold":
+                    for rid, ids in arg:
+                        agent.hold(rid, ids)
+                elif op == "blocks":
+                    arg = [t[:, list(arg)].copy() for t in cache]
+                out.put(arg)
+            if duty:
+                _spin(PERIOD * duty)
+                if duty < 1:
+                    time.sleep(PERIOD * (1 - duty))
+            agent.finished()  # the engine drains its reports once per turn
+        raw.close()
+
+
+def _regions(agent) -> list:
+    from kvxfer.types import Region  # noqa: PLC0415
+
+    geo, spec = agent.cache.geometry, agent.spec
+    return [Region(int(a), spec.region_bytes, geo.device, geo.kind) for a in np.unique(geo.bases.reshape(-1))]
+
+
+class _Raw:
+    """Raw NIXL as stock vLLM posts it: one descriptor per layer x K/V x block, lists of the whole
+    cache prepared once, then one ``make_prepped_xfer`` READ per read, polled by the caller."""
+
+    def __init__(self, agent, meta: bytes, bases: list) -> None:
+        from kvxfer.backend.nixl import NixlBackend  # noqa: PLC0415
+
+        spec, geo = agent.spec, agent.cache.geometry
+        self.backend = NixlBackend("busy-raw-consumer", progress_thread=True)
+        self.backend.register(_regions(agent))
+        self.peer = self.backend.add_peer(meta)
+        self.kind = geo.kind
+        self.blocks = spec.num_blocks
+        local = self._table(geo.bases, spec)
+        remote = self._table(np.asarray(bases, dtype=np.uint64), spec)
+        self.lp = self.backend.prepare(None, local, self.kind)
+        self.rp = self.backend.prepare(self.peer, remote, self.kind)
+
+    @staticmethod
+    def _table(bases: np.ndarray, spec: KVSpec) -> np.ndarray:
+        block = spec.region_bytes // spec.num_blocks
+        addr = (bases.reshape(-1, 1).astype(np.uint64)
+                + np.arange(spec.num_blocks, dtype=np.uint64) * np.uint64(block)).reshape(-1)
+        out = np.zeros((addr.size, 3), dtype=np.uint64)
+        out[:, 0], out[:, 1] = addr, block
+        return out
+
+    def read(self, local: np.ndarray, remote: np.ndarray, poll) -> None:
+        from kvxfer.types import Direction, XferState  # noqa: PLC0415
+
+        regions = np.arange(self.rp_regions, dtype=np.int64).reshape(-1, 1) * self.blocks
+        li, ri = (regions + local).reshape(-1), (regions + remote).reshape(-1)
+        xid = self.backend.post_prepared(Direction.READ, self.lp, li, self.rp, ri, self.peer, b"")
+        try:
+            while True:
+                state = self.backend.state(xid)
+                if state is XferState.DONE:
+                    return
+                if state is XferState.FAILED:
+                    raise RuntimeError("raw NIXL read failed")
+                poll()
+        finally:
+            self.backend.release(xid)
+
+    @property
+    def rp_regions(self) -> int:
+        return SPEC["num_layers"] * 2
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _has_poll(agent) -> bool:
+    return callable(getattr(agent, "poll", None))
+
+
+def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print) -> dict:
+    """Measure (see the module doc); returns ``{"rows": [...], "spec": ...}``. Raises
+    RuntimeError when a read's bytes are wrong."""
+    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
+    from kvxfer.testing import free_port_block  # noqa: PLC0415
+
+    spec = KVSpec(**SPEC)
+    ctx = mp.get_context("spawn")
+    cmd, out = ctx.Queue(), ctx.Queue()
+    port = free_port_block(1)
+    proc = ctx.Process(target=_producer, args=(cmd, out, port), daemon=True)
+    proc.start()
+    rows: list[dict] = []
+    try:
+        address, meta, bases = out.get(timeout=120)
+        ask = lambda what: (cmd.put(what), out.get(timeout=60))[1]  # noqa: E731
+        cache = _cache(spec, 2)
+        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1))
+        with Agent("busy-consumer", spec, config) as agent:
+            agent.register(cache)
+            raw = _Raw(agent, meta, bases)
+            rng = np.random.default_rng(3)
+            count = [0]
+
+            def pick():
+                count[0] += 1
+                src = np.sort(rng.choice(spec.num_blocks, BLOCKS, replace=False))
+                dst = np.sort(rng.choice(spec.num_blocks, BLOCKS, replace=False))
+                return f"busy-{count[0]}", src, dst
+
+            def check(src, dst) -> None:
+                want = ask(("blocks", src.tolist()))
+                for t, w in zip(cache, want):
+                    if not np.array_equal(t[:, dst], w):
+                        raise RuntimeError("a read's bytes differ from the producer's")
+
+            def kvxfer_read(poll_between=None) -> tuple[float, int]:
+                rid, src, dst = pick()
+                ask(("hold", [(rid, src.tolist())]))
+                for t in cache:
+                    t[:, dst] = 0
+                started = time.perf_counter()
+                handle = agent.read(address, dst, src, rid, timeout=10)
+                steps = 0
+                if poll_between is None:
+                    handle.wait()
+                else:
+                    while True:
+                        steps += 1
+                        poll_between()
+                        if _has_poll(agent):
+                            agent.poll()
+                        if handle.done():
+                            handle.wait(0)
+                            break
+                seconds = time.perf_counter() - started
+                check(src, dst)
+                return seconds, steps
+
+            def raw_read(poll_between=None) -> tuple[float, int]:
+                _, src, dst = pick()
+                for t in cache:
+                    t[:, dst] = 0
+                steps = [0]
+
+                def poll():
+                    steps[0] += 1
+                    if poll_between is not None:
+                        poll_between()
+
+                started = time.perf_counter()
+                raw.read(dst, src, poll)
+                seconds = time.perf_counter() - started
+                check(src, dst)
+                return seconds, steps[0] + 1
+
+            for _ in range(3):  # warm both paths (handshake, endpoints, plans)
+                kvxfer_read(), raw_read()
+            for duty in duties:
+                ask(("duty", duty))
+                for name, fn in (("kvxfer", kvxfer_read), ("raw NIXL", raw_read)):
+                    times = [fn()[0] for _ in range(reads)]
+                    rows.append({"case": f"producer {int(duty * 100)}% busy", "method": name,
+                                 "p50_ms": _pct(times, 50) * 1e3, "p90_ms": _pct(times, 90) * 1e3})
+                    progress(f"[busy] producer {int(duty * 100)}% busy, {name}: "
+                             f"p50 {rows[-1]['p50_ms']:.3f} ms, p90 {rows[-1]['p90_ms']:.3f} ms")
+            ask(("duty", 0.0))
+            for name, fn in (("kvxfer", kvxfer_read), ("raw NIXL", raw_read)):
+                got = [fn(lambda: _spin(STEP)) for _ in range(reads)]
+                steps = [s for _, s in got]
+                rows.append({"case": f"consumer steps {STEP * 1e3:.0f} ms", "method": name,
+                             "p50_ms": _pct([t for t, _ in got], 50) * 1e3,
+                             "p90_ms": _pct([t for t, _ in got], 90) * 1e3,
+                             "steps_p50": statistics.median(steps), "steps_max": max(steps)})
+                progress(f"[busy] stepping consumer, {name}: done at step {rows[-1]['steps_p50']} (p50), "
+                         f"{rows[-1]['p50_ms']:.2f} ms")
+            raw.close()
+    finally:
+        cmd.put("stop")
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+    idle = {r["method"]: r["p50_ms"] for r in rows if r["case"] == "producer 0% busy"}
+    for r in rows:
+        if r["case"].startswith("producer"):
+            r["vs_idle"] = r["p50_ms"] / idle[r["method"]]
+            r["vs_raw"] = r["p50_ms"] / next(x["p50_ms"] for x in rows
+                                              if x["case"] == r["case"] and x["method"] == "raw NIXL")
+    return {"rows": rows, "spec": SPEC, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
+            * SPEC["num_layers"] * 2}
+
+
+def table(report: dict) -> str:
+    """The report as a markdown table."""
+    lines = ["| case | method | p50 ms | p90 ms | p50 over idle | p50 over raw NIXL | done at step (p50, max) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        step = f"{r['steps_p50']:g}, {r['steps_max']}" if "steps_p50" in r else ""
+        over = f"{r['vs_idle']:.2f}" if "vs_idle" in r else ""
+        raw = f"{r['vs_raw']:.2f}" if "vs_raw" in r else ""
+        lines.append(f"| {r['case']} | {r['method']} | {r['p50_ms']:.3f} | {r['p90_ms']:.3f} | {over} | {raw} | {step} |")
+    return "\n".join(lines)
