@@ -84,11 +84,13 @@ def hybrid_expected_notifications(producer: HybridSpec, consumer_tp_size: int) -
 
 
 def _as_rank(spec: HybridSpec, tp_size: int, rank: int) -> HybridSpec:
-    """``spec``'s groups as rank ``rank`` of a ``tp_size`` instance holds them."""
+    """``spec``'s groups as rank ``rank`` of a ``tp_size`` instance holds them (their cut only:
+    a state page's padding is dropped, it is sized for ``spec``'s TP)."""
     groups = []
     for i, g in enumerate(spec.groups):
+        extra = {"slot_stride": 0} if isinstance(g, StateGroup) else {}
         try:
-            groups.append(replace(g, spec=replace(g.spec, tp_size=tp_size, tp_rank=rank)))
+            groups.append(replace(g, spec=replace(g.spec, tp_size=tp_size, tp_rank=rank, **extra)))
         except LayoutError as exc:
             raise type(exc)(f"{spec.label(i)} at tp_size {tp_size} (producer has {spec.tp_size}): {exc}") from exc
     return HybridSpec(tuple(groups))
