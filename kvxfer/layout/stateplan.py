@@ -103,8 +103,8 @@ class StatePlan:
             BlockIdError: unequal slot counts (names both), a slot outside ``[0, num_slots)`` or repeated.
         """
         ls, rs = self.local.spec, self.remote.spec
-        lsl = check_block_ids("local state slot", local_slots, ls.num_slots)
-        rsl = check_block_ids("remote state slot", remote_slots, rs.num_slots)
+        lsl = check_block_ids("local (state slots)", local_slots, ls.num_slots)
+        rsl = check_block_ids("remote (state slots)", remote_slots, rs.num_slots)
         if lsl.size != rsl.size:
             raise BlockIdError(f"local and remote state slot lists must be as long as each other; "
                                f"local has {lsl.size}, remote has {rsl.size}")
