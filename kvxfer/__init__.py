@@ -27,7 +27,9 @@ from kvxfer.errors import (
     TransferTimeoutError,
     WaitTimeout,
 )
+from kvxfer.layout.groups import AttentionGroup, HybridSpec, StateGroup
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
+from kvxfer.layout.state import StateSpec, StateTensor
 from kvxfer.types import (
     AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
     TransferPath,
@@ -53,6 +55,7 @@ __all__ = [
     "AgentStats",
     "AlreadyHeldError",
     "Announcement",
+    "AttentionGroup",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
@@ -61,6 +64,7 @@ __all__ = [
     "ConfigError",
     "Direction",
     "Finished",
+    "HybridSpec",
     "IncompatiblePeerError",
     "KVSpec",
     "KeepaliveResult",
@@ -77,6 +81,9 @@ __all__ = [
     "ReleaseReason",
     "RequestInFlightError",
     "RequestState",
+    "StateGroup",
+    "StateSpec",
+    "StateTensor",
     "Storage",
     "TransferError",
     "TransferFailedError",
