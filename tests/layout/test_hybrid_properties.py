@@ -39,8 +39,10 @@ def state_tensors(draw, same_tp: bool):
 
 
 @st.composite
-def hybrid_pair(draw):
-    """(local HybridSpec, remote HybridSpec at rank 0, tokens, unit per attention group)."""
+def hybrid_pair(draw, share: bool = False):
+    """(local HybridSpec at some rank, remote HybridSpec at rank 0, tokens). ``share``: every attention
+    group of a side has one spec, so ``place_hybrid(share=True)`` gives them one memory (vLLM's shared
+    tensors) and their block ids must be disjoint."""
     tp_l, tp_r = draw(TP), draw(TP)
     layers = draw(st.integers(1, 2))
     common = dict(num_kv_heads=draw(st.sampled_from([1, 2, 4, 8])), model="m",
@@ -48,7 +50,7 @@ def hybrid_pair(draw):
     units = draw(st.integers(1, 4))
     kinds = draw(st.lists(st.sampled_from(["full", "sliding", "state"]), min_size=1, max_size=4))
     kinds += ["sliding"] if kinds == ["full"] else []   # one full group alone is today's cache
-    local, remote = [], []
+    local, remote, first = [], [], {}
     for i, kind in enumerate(kinds):
         if kind == "state":
             tensors = draw(state_tensors(tp_l == tp_r))
@@ -64,11 +66,16 @@ def hybrid_pair(draw):
         bs_r = bs_l * ratio if draw(st.booleans()) or bs_l % ratio else bs_l // ratio
         unit = max(bs_l, bs_r)
         window = draw(st.integers(1, 3 * unit)) if kind == "sliding" else 0
-        for side, tp, bs in ((local, tp_l, bs_l), (remote, tp_r, bs_r)):
-            layout = draw(st.sampled_from(["NHD", "HND"]))
-            storage = draw(st.sampled_from(["split", "packed", "cross_layer"] + (["head_packed"] if layout == "HND" else [])))
-            spec = KVSpec(num_layers=layers, block_size=bs, num_blocks=units * 8 // bs + draw(st.integers(1, 3)),
-                          tp_size=tp, layout=layout, storage=storage, **common)
+        for key, side, tp, bs in (("l", local, tp_l, bs_l), ("r", remote, tp_r, bs_r)):
+            if share and key in first:
+                spec = first[key]
+            else:
+                layout = draw(st.sampled_from(["NHD", "HND"]))
+                storage = draw(st.sampled_from(["split", "packed", "cross_layer"] +
+                                               (["head_packed"] if layout == "HND" else [])))
+                spec = KVSpec(num_layers=layers, block_size=bs, tp_size=tp, layout=layout, storage=storage,
+                              num_blocks=units * 8 // bs * (4 if share else 1) + draw(st.integers(1, 3)), **common)
+                first[key] = spec
             side.append(AttentionGroup(spec, sliding_window=window, name=f"g{i}"))
     unit_max = max([g.spec.block_size for g in local + remote if isinstance(g, AttentionGroup)], default=1)
     tokens = draw(st.integers(max(1, (units - 1) * unit_max + 1), units * unit_max))
@@ -78,12 +85,16 @@ def hybrid_pair(draw):
 
 def _ids(draw, spec: HybridSpec, tokens: int, other: HybridSpec, n_slots: int):
     """One id list per group: attention blocks from token 0 to the last unit; ``n_slots`` state slots."""
-    out = []
+    out, pools = [], {}   # groups of one spec draw from one pool: ids disjoint where they share memory
     for g, o in zip(spec.groups, other.groups):
         if isinstance(g, AttentionGroup):
             unit = max(g.spec.block_size, o.spec.block_size)
             count = -(-tokens // unit) * unit // g.spec.block_size
-            out.append(np.array(draw(st.permutations(range(g.spec.num_blocks)))[:count], dtype=np.int64))
+            if g.spec not in pools:
+                pools[g.spec] = list(draw(st.permutations(range(g.spec.num_blocks))))
+            pool = pools[g.spec]
+            out.append(np.array(pool[:count], dtype=np.int64))
+            del pool[:count]
         else:
             out.append(np.array(draw(st.permutations(range(g.spec.num_slots)))[:n_slots], dtype=np.int64))
     return out
@@ -109,12 +120,12 @@ def _global_state(rng, spec: StateSpec, n_slots: int):
     return out
 
 
-def _run(data, pair, direction: Direction, gap: int):
+def _run(data, pair, direction: Direction, gap: int, share: bool = False):
     """Consumer ``local`` gets every group from every producer rank it reads (READ), or every producer
     rank pushes to it (WRITE, direct plans); returns nothing, asserts the bytes."""
     cons, prod0, tokens = pair
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    cview, carena = place_hybrid(cons, gap=gap)
+    cview, carena = place_hybrid(cons, gap=gap, share=share)
     carena.buf[:] = rng.integers(0, 256, carena.buf.size, dtype=np.uint8)
     before = carena.buf.copy()
     n_slots = data.draw(st.integers(1, 2))
@@ -132,7 +143,7 @@ def _run(data, pair, direction: Direction, gap: int):
     opaque_from_rank = {}
     for rank in hybrid_peer_ranks(cons, prod0.tp_size):
         pspec = prod0.with_rank(rank)
-        pview, parena = place_hybrid(pspec, arena_base=0x4000_0000, gap=gap)
+        pview, parena = place_hybrid(pspec, arena_base=0x4000_0000, gap=gap, share=share)
         parena.buf[:] = rng.integers(0, 256, parena.buf.size, dtype=np.uint8)
         for i, values in glob.items():
             pvals = [[v if t.segments is not None else rng.integers(0, 256, v.shape, dtype=np.uint8) for v in vs]
@@ -200,6 +211,14 @@ def test_hybrid_read_moves_every_group_exactly(data, pair, gap):
     group's window only) hold the producer's KV for every needed head, each state slot the global state of its
     units, and no other byte changed."""
     _run(data, pair, Direction.READ, gap)
+
+
+@settings(SETTINGS, max_examples=80)
+@given(data=st.data(), pair=hybrid_pair(share=True), direction=st.sampled_from([Direction.READ, Direction.WRITE]))
+def test_groups_sharing_memory_move_only_their_own_blocks(data, pair, direction):
+    """Attention groups of one shape share one memory (as vLLM's groups share tensors), their ids kept apart:
+    moving every group writes each group's blocks and leaves the others' bytes as they were."""
+    _run(data, pair, direction, 0, share=True)
 
 
 @SETTINGS
