@@ -19,6 +19,7 @@ from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.layout.request import RequestPlan, check_block_ids, merge_rows
 from kvxfer.layout.state import StateSpec, StateTensor, StateView
 from kvxfer.layout.tp import unit_read_ranks
+from kvxfer.types import TransferPath
 
 __all__ = ["StatePlan", "build_state_plan", "check_state_compatible"]
 
@@ -71,12 +72,12 @@ def _pieces(t: StateTensor, consumer: StateSpec, producer: StateSpec, local_is_c
 class StatePlan:
     """Byte-range correspondence of request slots between a local and a remote rank's state group.
 
-    Attributes: ``local``, ``remote`` (StateViews), ``mode`` ("direct": state pieces are runs
+    Attributes: ``local``, ``remote`` (StateViews), ``mode`` (``TransferPath.DIRECT``: state pieces are runs
     on both sides, never staged), ``reversible`` (True), ``pieces_per_slot`` (descriptors per
     layer and slot before coalescing; 0 when this pair moves nothing of the group).
     """
 
-    mode = "direct"
+    mode = TransferPath.DIRECT
     reversible = True
     over_read = False
 
