@@ -176,6 +176,8 @@ class HybridView:
 
     spec: HybridSpec
     geometries: tuple[CacheGeometry, ...] = field(repr=False)
+    #: one ``CacheView`` (attention) or ``StateView`` (state) per group, built from the two above
+    views: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, HybridSpec):
