@@ -8,6 +8,7 @@ from kvxfer.layout.hybrid import (
 from kvxfer.layout.plan import CacheView, TransferPlan, build_plan
 from kvxfer.layout.request import RequestPlan
 from kvxfer.layout.spec import DTYPE_SIZES, CacheGeometry, KVSpec, Layout, Storage
+from kvxfer.layout.ssm import gdn_state, mamba1_state, mamba2_state
 from kvxfer.layout.state import StateSpec, StateTensor, StateView
 from kvxfer.layout.stateplan import StatePlan, build_state_plan
 from kvxfer.layout.tp import expected_notifications, head_range, notify_ranks, peer_ranks
@@ -36,11 +37,14 @@ __all__ = [
     "build_plan",
     "build_state_plan",
     "expected_notifications",
+    "gdn_state",
     "group_kind",
     "head_range",
     "hybrid_expected_notifications",
     "hybrid_notify_ranks",
     "hybrid_peer_ranks",
+    "mamba1_state",
+    "mamba2_state",
     "notify_ranks",
     "peer_ranks",
 ]

@@ -16,6 +16,7 @@ from kvxfer.layout.hybrid import (
 from kvxfer.layout.oracle import (
     execute_hybrid, logical_kv, place_cache, place_hybrid, read_state, state_mask, target_mask, write_state,
 )
+from kvxfer.layout.ssm import gdn_state, mamba1_state, mamba2_state
 from kvxfer.layout.state import StateSpec, StateTensor
 from kvxfer.types import Direction
 
@@ -25,16 +26,22 @@ TP = st.sampled_from([1, 2, 4])
 
 @st.composite
 def state_tensors(draw, same_tp: bool):
-    """Mamba2-like conv (x, B, C segments; DS or SD order) and SSM state; sometimes an opaque one (equal TP only)."""
-    heads, groups = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4]))
-    head_dim, d_state, kernel = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])), draw(st.sampled_from([2, 3]))
-    dtype = draw(st.sampled_from(["float16", "float32", "uint8"]))
-    segs = ((heads, head_dim), (groups, d_state), (groups, d_state))
-    conv = (StateTensor("conv", dtype, segs, inner=kernel - 1) if draw(st.booleans())
-            else StateTensor("conv", dtype, segs, outer=kernel - 1))
-    tensors = [conv, StateTensor("ssm", "float32", ((heads, 1),), inner=head_dim * d_state)]
+    """A Mamba1, Mamba2 or Gated DeltaNet layer's conv and SSM state (``kvxfer.layout.ssm``, vLLM's shapes; DS or SD
+    conv order, speculative rows or not); sometimes an opaque tensor beside them (equal TP only)."""
+    kw = dict(conv_dtype=draw(st.sampled_from(["float16", "float32", "uint8"])), ssm_dtype="float32",
+              order=draw(st.sampled_from(["DS", "SD"])), num_spec=draw(st.integers(0, 1)))
+    small, kernel = st.sampled_from([1, 2, 3]), draw(st.sampled_from([2, 3]))
+    kind = draw(st.sampled_from(["mamba1", "mamba2", "gdn"]))
+    if kind == "mamba1":
+        tensors = mamba1_state(draw(st.sampled_from([4, 8])), draw(small), kernel, **kw)
+    elif kind == "mamba2":
+        tensors = mamba2_state(draw(st.sampled_from([1, 2, 4, 8])), draw(small), draw(st.sampled_from([1, 2, 4])),
+                               draw(small), kernel, **kw)
+    else:
+        tensors = gdn_state(draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([2, 4, 8])), draw(small),
+                            draw(small), kernel, **kw)
     if same_tp and draw(st.integers(0, 3)) == 0:
-        tensors.append(StateTensor.opaque("extra", "uint8", draw(st.integers(1, 5))))
+        tensors += (StateTensor.opaque("extra", "uint8", draw(st.integers(1, 5))),)
     return tuple(tensors)
 
 
@@ -83,16 +90,18 @@ def hybrid_pair(draw, share: bool = False):
     return HybridSpec(tuple(local)).with_rank(rank), HybridSpec(tuple(remote)), tokens
 
 
-def _ids(draw, spec: HybridSpec, tokens: int, other: HybridSpec, n_slots: int):
-    """One id list per group: attention blocks from token 0 to the last unit; ``n_slots`` state slots."""
-    out, pools = [], {}   # groups of one spec draw from one pool: ids disjoint where they share memory
-    for g, o in zip(spec.groups, other.groups):
+def _ids(draw, spec: HybridSpec, tokens: int, other: HybridSpec, n_slots: int, share: bool):
+    """One id list per group: attention blocks from token 0 to the last unit; ``n_slots`` state slots.
+    ``share``: groups of one spec draw from one pool, so ids are disjoint where they share memory."""
+    out, pools = [], {}
+    for i, (g, o) in enumerate(zip(spec.groups, other.groups)):
         if isinstance(g, AttentionGroup):
             unit = max(g.spec.block_size, o.spec.block_size)
             count = -(-tokens // unit) * unit // g.spec.block_size
-            if g.spec not in pools:
-                pools[g.spec] = list(draw(st.permutations(range(g.spec.num_blocks))))
-            pool = pools[g.spec]
+            key = g.spec if share else i
+            if key not in pools:
+                pools[key] = list(draw(st.permutations(range(g.spec.num_blocks))))
+            pool = pools[key]
             out.append(np.array(pool[:count], dtype=np.int64))
             del pool[:count]
         else:
@@ -129,8 +138,8 @@ def _run(data, pair, direction: Direction, gap: int, share: bool = False):
     carena.buf[:] = rng.integers(0, 256, carena.buf.size, dtype=np.uint8)
     before = carena.buf.copy()
     n_slots = data.draw(st.integers(1, 2))
-    cids = _ids(data.draw, cons, tokens, prod0, n_slots)
-    pids = _ids(data.draw, prod0, tokens, cons, n_slots)
+    cids = _ids(data.draw, cons, tokens, prod0, n_slots, share)
+    pids = _ids(data.draw, prod0, tokens, cons, n_slots, share)
     # the state every producer rank holds: one global value per request slot, cut by each rank's units
     glob = {i: _global_state(rng, g.spec, len(cids[i])) for i, g in enumerate(prod0.groups) if isinstance(g, StateGroup)}
     allowed = np.zeros(carena.buf.size, dtype=bool)
