@@ -32,6 +32,7 @@ __all__ = ["HybridPlan", "HybridRequest", "build_hybrid_plan", "check_groups_mat
 
 
 def _state_ranks(g: StateGroup, remote_tp: int, read: bool) -> set[int]:
+    """Remote ranks a state group reads from (``read``) or depends on: the union over its segments."""
     s, ranks = g.spec, set()
     for t in s.tensors:
         if t.segments is None:
@@ -47,6 +48,9 @@ def _state_ranks(g: StateGroup, remote_tp: int, read: bool) -> set[int]:
 
 
 def _group_ranks(spec: HybridSpec, remote_tp: int, read: bool) -> list[set[int]]:
+    """Per group, the remote ranks ``spec``'s rank reads from (``read``) or depends on."""
+    if isinstance(remote_tp, bool) or not isinstance(remote_tp, int) or remote_tp <= 0:
+        raise LayoutError(f"remote tp_size must be a positive integer; got {remote_tp!r}")
     out = []
     for i, g in enumerate(spec.groups):
         try:

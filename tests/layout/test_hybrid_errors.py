@@ -73,6 +73,12 @@ def test_state_whose_tp_cut_is_unknown_moves_only_between_equal_tp():
     assert _plan(_hybrid(tp=2, tensors=opaque).with_rank(1), _hybrid(tp=2, tensors=opaque).with_rank(1)).parts[2]
 
 
+@pytest.mark.parametrize("bad", [0, -2, True, "2"])
+def test_a_bad_remote_tp_size_is_refused(bad):
+    with pytest.raises(LayoutError, match="remote tp_size must be a positive integer"):
+        hybrid_peer_ranks(_hybrid(tensors=(CONV, StateTensor.opaque("extra", "uint8", 5))), bad)
+
+
 def test_state_units_that_tp_cannot_cut_are_refused_naming_both():
     six = StateTensor("ssm", "float32", ((6, 1),), inner=2)
     with pytest.raises(LayoutError, match=r"'ssm' segment 0: units \(6\) and tp_size \(4\) must divide one another"):
