@@ -220,7 +220,8 @@ def build_hybrid_plan(local: HybridView, remote: HybridView, *, local_is_consume
     Raises:
         LayoutError: group lists differ (names the group and both values); a group's specs
             cannot be combined (its planner's error, prefixed with the group); the pair moves
-            nothing of any group (names both ranks).
+            nothing of any group, the producer not being in the consumer's ``hybrid_peer_ranks``
+            (names both ranks).
     """
     for name, view in (("local", local), ("remote", remote)):
         if not isinstance(view, HybridView):
@@ -246,5 +247,6 @@ def build_hybrid_plan(local: HybridView, remote: HybridView, *, local_is_consume
         parts.append(part)
     if all(p is None for p in parts):
         raise LayoutError(f"remote rank {rs.tp_rank}/{rs.tp_size} and local rank {ls.tp_rank}/{ls.tp_size} "
-                          f"share nothing to move in any group")
+                          f"move nothing in any group: the consumer reads none of its groups from the producer "
+                          f"(see hybrid_peer_ranks)")
     return HybridPlan(local, remote, tuple(parts))

@@ -122,3 +122,10 @@ def test_a_view_needs_one_geometry_per_group():
     with pytest.raises(LayoutError, match=r"group 2 \(state 'mamba'\): state geometry has \(1, 2\) bases; "
                                           r"spec expects \(2, 2\)"):
         HybridView(spec, view.geometries[:2] + (view.geometries[0].__class__(np.zeros((1, 2))),))
+
+
+def test_a_pair_that_moves_nothing_is_refused_naming_both_ranks():
+    consumer = _hybrid(tp=2).with_rank(0)
+    assert hybrid_peer_ranks(consumer, 4) == [0, 1]
+    with pytest.raises(LayoutError, match=r"remote rank 3/4 and local rank 0/2 move nothing in any group"):
+        _plan(consumer, _hybrid(tp=4).with_rank(3))
