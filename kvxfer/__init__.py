@@ -28,7 +28,9 @@ from kvxfer.errors import (
     TransferTimeoutError,
     WaitTimeout,
 )
+from kvxfer.layout.groups import AttentionGroup, HybridSpec, StateGroup
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
+from kvxfer.layout.state import StateSpec, StateTensor
 from kvxfer.types import (
     AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
     TransferPath,
@@ -55,6 +57,7 @@ __all__ = [
     "AgentStats",
     "AlreadyHeldError",
     "Announcement",
+    "AttentionGroup",
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
@@ -63,6 +66,7 @@ __all__ = [
     "ConfigError",
     "Direction",
     "Finished",
+    "HybridSpec",
     "IncompatiblePeerError",
     "KVSpec",
     "KeepaliveResult",
@@ -79,6 +83,9 @@ __all__ = [
     "ReleaseReason",
     "RequestInFlightError",
     "RequestState",
+    "StateGroup",
+    "StateSpec",
+    "StateTensor",
     "Storage",
     "TransferError",
     "TransferFailedError",

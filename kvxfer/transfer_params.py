@@ -4,6 +4,12 @@ The prefill side answers with ``producer_answer``; the decode side reads a peer'
 ``RemotePrefill.parse``. The fields are exactly those vLLM's KvxferConnector writes and reads,
 so a ``kvxfer-hf`` server and a vLLM server can prefill for each other behind the unchanged
 ``kvxfer proxy``; a new engine's adapter uses the same two functions. Values come from clients: checked with exceptions, never ``assert``.
+
+``remote_block_ids`` is vLLM's form: one list per KV-cache group (``[[4, 5]]`` for one group;
+vLLM's NixlConnector sends its transfer groups' lists, a sliding group's clipped to its window,
+a state group's to the slot holding the running state). A state group's slots travel as that
+group's list; nothing else carries them. A cache of several groups parses with ``num_groups``
+and reads ``RemotePrefill.groups``; without it, several groups are refused as before.
 """
 
 from __future__ import annotations
@@ -39,15 +45,27 @@ def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
     return value
 
 
-def _block_ids(raw: Any) -> tuple[int, ...]:
-    """Flat block ids from vLLM's one-list-per-KV-cache-group form (``[[1, 2]]``) or a flat list."""
+def _ids(raw: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(raw, (list, tuple)):
+        raise BadParams(f"{name} must be a list; got {type(raw).__name__}")
+    return tuple(_int(b, f"{name}[i]", 0, (1 << 63) - 1) for b in raw)
+
+
+def _block_ids(raw: Any, num_groups: int) -> tuple[tuple[int, ...], ...]:
+    """One id tuple per group from vLLM's one-list-per-group form (``[[1, 2], [7]]``), or, for one
+    group, a flat list as older peers send."""
     if not isinstance(raw, (list, tuple)):
         raise BadParams(f"remote_block_ids must be a list; got {type(raw).__name__}")
-    if raw and all(isinstance(g, (list, tuple)) for g in raw):
-        if len(raw) != 1:
-            raise BadParams(f"remote_block_ids has {len(raw)} KV-cache groups; only 1 is supported")
-        raw = raw[0]
-    return tuple(_int(b, "remote_block_ids[i]", 0, (1 << 63) - 1) for b in raw)
+    nested = bool(raw) and all(isinstance(g, (list, tuple)) for g in raw)
+    if not nested:
+        if num_groups != 1:
+            raise BadParams(f"remote_block_ids must hold one list per KV-cache group: expected {num_groups} "
+                            f"lists; got a flat list")
+        return (_ids(raw, "remote_block_ids"),)
+    if len(raw) != num_groups:
+        what = "only 1 is supported" if num_groups == 1 else f"expected {num_groups}"
+        raise BadParams(f"remote_block_ids has {len(raw)} KV-cache groups; {what}")
+    return tuple(_ids(g, f"remote_block_ids[{i}]") for i, g in enumerate(raw))
 
 
 @dataclass(frozen=True)
@@ -55,7 +73,8 @@ class RemotePrefill:
     """Where a prefilled prompt's blocks are: the producer's request id, side channel and block ids.
 
     ``num_tokens`` is ``remote_num_tokens``: the prompt tokens whose KV the producer computed
-    (None: the whole prompt).
+    (None: the whole prompt). ``groups``: one id tuple per KV-cache group (block ids, or a state
+    group's slots); ``block_ids`` is the first group's (the only one of a one-group cache).
     """
 
     request_id: str
@@ -65,10 +84,21 @@ class RemotePrefill:
     num_tokens: int | None = None
     engine_id: str | None = None
     tp_size: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.groups:   # built by hand with block ids alone: one group
+            object.__setattr__(self, "groups", (tuple(self.block_ids),))
 
     @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> "RemotePrefill":
-        """Raises BadParams when a required field is missing or malformed."""
+    def parse(cls, params: Mapping[str, Any], num_groups: int = 1) -> "RemotePrefill":
+        """Read a producer's answer for a cache of ``num_groups`` KV-cache groups.
+
+        Raises:
+            BadParams: a required field missing or malformed; ``remote_block_ids`` not one list
+                per group (names both counts); ``pp_size`` other than 1 (pipeline parallelism).
+        """
+        num_groups = _int(num_groups, "num_groups", 1)
         if not isinstance(params, Mapping):
             raise BadParams(f"kv_transfer_params must be an object; got {type(params).__name__}")
         missing = [k for k in REQUIRED if params.get(k) in (None, "")]
@@ -84,22 +114,42 @@ class RemotePrefill:
         if num_tokens is not None:
             num_tokens = _int(num_tokens, "remote_num_tokens", 0)
         tp_size = _int(params.get("tp_size", 1), "tp_size", 1)
+        pp_size = params.get("pp_size", 1)
+        if pp_size is not None and _int(pp_size, "pp_size", 1) != 1:
+            raise BadParams(f"pipeline parallelism is not supported: pp_size must be 1; got {pp_size}")
         engine_id = params.get("remote_engine_id")
-        return cls(request_id, host, port, _block_ids(params["remote_block_ids"]), num_tokens,
-                   engine_id if isinstance(engine_id, str) else None, tp_size)
+        groups = _block_ids(params["remote_block_ids"], num_groups)
+        return cls(request_id, host, port, groups[0], num_tokens,
+                   engine_id if isinstance(engine_id, str) else None, tp_size, groups)
 
     def tokens_available(self, prompt_len: int) -> int:
         """Prompt tokens whose KV the producer holds (all of the prompt unless it said fewer)."""
         return prompt_len if self.num_tokens is None else min(self.num_tokens, prompt_len)
 
 
-def producer_answer(*, request_id: str, block_ids: Sequence[int], engine_id: str, host: str,
-                    port: int, tp_size: int, num_tokens: int) -> dict[str, Any]:
-    """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields)."""
+def _answer_groups(block_ids: Any) -> list[list[int]]:
+    """vLLM's one-list-per-group form of a flat list (one group) or of one list per group."""
+    if not isinstance(block_ids, (list, tuple)):
+        raise BadParams(f"block_ids must be a list of ids or one list per group; got {type(block_ids).__name__}")
+    if block_ids and all(isinstance(g, (list, tuple)) for g in block_ids):
+        return [list(_ids(g, f"block_ids[{i}]")) for i, g in enumerate(block_ids)]
+    return [list(_ids(block_ids, "block_ids"))]
+
+
+def producer_answer(*, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], engine_id: str,
+                    host: str, port: int, tp_size: int, num_tokens: int) -> dict[str, Any]:
+    """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields).
+
+    ``block_ids``: the ids of a one-group cache, or one list per KV-cache group (block ids, a
+    state group's slots), already cut to what moves (a sliding group's window).
+
+    Raises:
+        BadParams: ids that are not lists of non-negative integers (names the list).
+    """
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(block_ids)],
+        "remote_block_ids": _answer_groups(block_ids),
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
         "remote_host": host,

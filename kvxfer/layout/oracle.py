@@ -11,6 +11,9 @@ transport and to read back the *logical* KV of a cache:
   (``byte_addresses`` gives where each byte lives, a dim-major K included).
 * ``execute``: run a request's descriptors with a reference copier (plus unpack / pack);
   ``fill_staging`` gives the staging image alone, ``region_views`` the callable unpack takes.
+* several groups: ``place_hybrid`` lays a ``HybridSpec`` out in one arena (groups may share
+  memory), ``read_state`` / ``write_state`` / ``state_byte_addresses`` read and write state
+  slots from ``StateSpec``'s definition, ``execute_hybrid`` runs every group's part.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from __future__ import annotations
 import numpy as np
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout.plan import CacheView, TransferPlan
+from kvxfer.layout.plan import CacheView, SplitKVPlan, TransferPlan
 from kvxfer.layout.request import RequestPlan
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.types import Direction
 
 __all__ = [
-    "Arena", "byte_addresses", "execute", "fill_pattern", "fill_staging", "logical_kv", "place_cache", "region_views",
-    "target_mask", "vector_addresses",
+    "Arena", "byte_addresses", "execute", "execute_hybrid", "fill_pattern", "fill_staging", "logical_kv", "place_cache",
+    "place_hybrid", "read_state", "region_views", "state_byte_addresses", "state_mask", "target_mask",
+    "vector_addresses", "write_state",
 ]
 
 
@@ -213,3 +217,106 @@ def fill_staging(req: RequestPlan, remote: Arena) -> np.ndarray:
 def region_views(view: CacheView, arena: Arena):
     """``region_view(layer, kv)`` callable over an arena, as ``unpack_numpy`` takes it."""
     return lambda layer, kv: arena.view(int(view.geometry.bases[layer, kv]), view.spec.region_bytes)
+
+# ---- several groups: state slots and hybrid caches -----------------------------------------
+
+def state_byte_addresses(view, layer: int, tensor: int, slots) -> list[np.ndarray]:
+    """Addresses of every byte of one state tensor's given slots, per segment: int64
+    ``[slots, outer, local_units, unit_bytes]`` (``unit_bytes`` = width x inner x itemsize); an
+    opaque tensor gives one ``[slots, 1, 1, slot_bytes]`` array.
+
+    Written from ``StateSpec``'s definition alone: element ``(o, segment s, local unit u, w, i)``
+    of a slot sits at ``((o * split + sum of earlier segments' local widths + u * width_s + w)
+    * inner + i) * itemsize`` from the slot's start, slot ``k`` at ``bases[layer, tensor] + k *
+    strides[tensor]``.
+    """
+    s = view.spec
+    t = s.tensors[tensor]
+    start = (int(view.geometry.bases[layer, tensor])
+             + np.asarray(slots, dtype=np.int64)[:, None, None, None] * s.strides[tensor])
+    isz = t.itemsize
+    if t.segments is None:
+        return [start + np.arange(t.slot_bytes(s.tp_size), dtype=np.int64)[None, None, None, :]]
+    split = t.split_elements(s.tp_size)
+    out, seg_off = [], 0
+    for (units, width), (u0, u1) in zip(t.segments, t.local_units(s.tp_size, s.tp_rank)):
+        o = np.arange(t.outer, dtype=np.int64)[:, None, None, None, None]
+        u = np.arange(u1 - u0, dtype=np.int64)[None, :, None, None, None]
+        w = np.arange(width, dtype=np.int64)[None, None, :, None, None]
+        i = np.arange(t.inner, dtype=np.int64)[None, None, None, :, None]
+        b = np.arange(isz, dtype=np.int64)[None, None, None, None, :]
+        elem = ((o * split + seg_off + u * width + w) * t.inner + i) * isz + b
+        out.append(start + elem.reshape(t.outer, u1 - u0, -1)[None])
+        seg_off += (u1 - u0) * width
+    return out
+
+
+def read_state(view, arena: Arena, slots) -> list[list[np.ndarray]]:
+    """The state of ``slots``: ``[tensor][segment]`` uint8 ``[layers, slots, outer, local_units, unit_bytes]``."""
+    s = view.spec
+    return [[np.stack([arena.buf[state_byte_addresses(view, layer, t, slots)[k] - arena.base]
+                       for layer in range(s.num_layers)])
+             for k in range(len(s.tensors[t].segments or (None,)))]
+            for t in range(len(s.tensors))]
+
+
+def write_state(view, arena: Arena, slots, values: list[list[np.ndarray]]) -> None:
+    """Write ``values`` (``read_state``'s form, but GLOBAL units: ``[layers, slots, outer, units,
+    unit_bytes]``; an opaque tensor: this rank's bytes) into ``slots``: each rank keeps its own units."""
+    s = view.spec
+    for t, tensor in enumerate(s.tensors):
+        ranges = tensor.local_units(s.tp_size, s.tp_rank) if tensor.segments is not None else [(0, 1)]
+        for layer in range(s.num_layers):
+            for k, (u0, u1) in enumerate(ranges):
+                addr = state_byte_addresses(view, layer, t, slots)[k]
+                arena.buf[addr - arena.base] = values[t][k][layer][:, :, u0:u1]
+
+
+def state_mask(view, arena: Arena, slots) -> np.ndarray:
+    """Bool mask over ``arena.buf``: every byte of every tensor of ``slots``."""
+    mask = np.zeros(arena.buf.size, dtype=bool)
+    for layer in range(view.spec.num_layers):
+        for t in range(len(view.spec.tensors)):
+            for addr in state_byte_addresses(view, layer, t, slots):
+                mask[addr - arena.base] = True
+    return mask
+
+
+def place_hybrid(spec, arena_base: int = 0x10_0000, gap: int = 0, share: bool = False):
+    """Lay every group of a ``HybridSpec`` out in one fresh arena; returns its ``HybridView`` and the arena.
+
+    Groups follow each other, ``gap`` bytes apart (attention groups placed as ``place_cache``
+    places them). ``share``: an attention group whose spec equals an earlier one's uses that
+    group's memory (vLLM lets groups of one shape share tensors; their block ids must differ).
+    """
+    from kvxfer.layout.groups import AttentionGroup, HybridView
+    from kvxfer.layout.state import contiguous_state
+
+    geos, pos, seen = [], arena_base, {}
+    for g in spec.groups:
+        if isinstance(g, AttentionGroup):
+            if share and g.spec in seen:
+                geos.append(seen[g.spec])
+                continue
+            view, arena = place_cache(g.spec, arena_base=pos, gap=gap)
+            seen.setdefault(g.spec, view.geometry)
+            geos.append(view.geometry)
+            pos += arena.buf.size + gap
+        else:
+            geos.append(contiguous_state(g.spec, pos))
+            pos += g.spec.cache_bytes + gap
+    return HybridView(spec, tuple(geos)), Arena(pos - arena_base + 1, arena_base)
+
+
+def execute_hybrid(plan, req, local: Arena, remote: Arena, direction: Direction = Direction.READ) -> None:
+    """Run every part of a ``HybridRequest`` between two arenas holding the whole hybrid caches
+    (``execute`` per attention part; state parts are byte ranges)."""
+    for part_plan, part in zip(plan.parts, req.parts):
+        if part is None:
+            continue
+        if isinstance(part_plan, (TransferPlan, SplitKVPlan)):
+            execute(part_plan, part, local, remote, direction)
+        elif direction is Direction.READ:
+            _copy_rows(local, part.local, remote, part.remote)
+        else:
+            _copy_rows(remote, part.remote, local, part.local)

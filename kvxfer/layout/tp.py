@@ -20,7 +20,8 @@ from __future__ import annotations
 from kvxfer.errors import LayoutError
 from kvxfer.layout.spec import KVSpec
 
-__all__ = ["expected_notifications", "head_range", "notify_ranks", "peer_ranks"]
+__all__ = ["expected_notifications", "head_range", "notify_ranks", "peer_ranks", "unit_notify_ranks",
+           "unit_read_ranks"]
 
 
 def head_range(num_kv_heads: int, tp_size: int, tp_rank: int, mla: bool = False) -> tuple[int, int]:
@@ -50,14 +51,26 @@ def _check_tp(value: int) -> None:
         raise LayoutError(f"remote tp_size must be a positive integer; got {value!r}")
 
 
+def unit_notify_ranks(units: int, local_tp: int, local_rank: int, remote_tp: int, mla: bool = False) -> list[int]:
+    """Every rank of a ``remote_tp`` instance holding a unit (a head, or a state segment's unit)
+    that rank ``local_rank`` of a ``local_tp`` instance holds, for ``units`` units cut as heads are."""
+    _check_tp(remote_tp)
+    need = head_range(units, local_tp, local_rank, mla)
+    return [r for r in range(remote_tp) if _overlaps(need, head_range(units, remote_tp, r, mla))]
+
+
+def unit_read_ranks(units: int, local_tp: int, local_rank: int, remote_tp: int, mla: bool = False) -> list[int]:
+    """The ranks of ``unit_notify_ranks`` a consumer reads from: one replica per distinct
+    overlapping unit range, the one at position ``local_rank % replication`` (see ``peer_ranks``)."""
+    by_range: dict[tuple[int, int], list[int]] = {}
+    for r in unit_notify_ranks(units, local_tp, local_rank, remote_tp, mla):
+        by_range.setdefault(head_range(units, remote_tp, r, mla), []).append(r)
+    return sorted(reps[local_rank % len(reps)] for reps in by_range.values())
+
+
 def notify_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
     """Every remote rank holding a head ``local`` needs (ascending); ``local`` notifies each once per request."""
-    _check_tp(remote_tp_size)
-    need = head_range(local.num_kv_heads, local.tp_size, local.tp_rank, local.mla)
-    return [
-        r for r in range(remote_tp_size)
-        if _overlaps(need, head_range(local.num_kv_heads, remote_tp_size, r, local.mla))
-    ]
+    return unit_notify_ranks(local.num_kv_heads, local.tp_size, local.tp_rank, remote_tp_size, local.mla)
 
 
 def peer_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
@@ -67,11 +80,7 @@ def peer_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
     Among replicas of one head range, the one at position ``local.tp_rank % replication``
     is chosen, so the consumers sharing a head range spread over its replicas.
     """
-    deps = notify_ranks(local, remote_tp_size)
-    by_range: dict[tuple[int, int], list[int]] = {}
-    for r in deps:
-        by_range.setdefault(head_range(local.num_kv_heads, remote_tp_size, r, local.mla), []).append(r)
-    return sorted(reps[local.tp_rank % len(reps)] for reps in by_range.values())
+    return unit_read_ranks(local.num_kv_heads, local.tp_size, local.tp_rank, remote_tp_size, local.mla)
 
 
 def expected_notifications(producer: KVSpec, consumer_tp_size: int) -> int:
