@@ -55,7 +55,8 @@ class RemotePrefill:
     """Where a prefilled prompt's blocks are: the producer's request id, side channel and block ids.
 
     ``num_tokens`` is ``remote_num_tokens``: the prompt tokens whose KV the producer computed
-    (None: the whole prompt).
+    (None: the whole prompt). ``block_size`` is ``remote_block_size``: tokens per producer block
+    (None: the producer did not say; older producers and vLLM's NixlConnector).
     """
 
     request_id: str
@@ -65,6 +66,7 @@ class RemotePrefill:
     num_tokens: int | None = None
     engine_id: str | None = None
     tp_size: int = 1
+    block_size: int | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> "RemotePrefill":
@@ -85,8 +87,11 @@ class RemotePrefill:
             num_tokens = _int(num_tokens, "remote_num_tokens", 0)
         tp_size = _int(params.get("tp_size", 1), "tp_size", 1)
         engine_id = params.get("remote_engine_id")
+        block_size = params.get("remote_block_size")
+        if block_size is not None:
+            block_size = _int(block_size, "remote_block_size", 1)
         return cls(request_id, host, port, _block_ids(params["remote_block_ids"]), num_tokens,
-                   engine_id if isinstance(engine_id, str) else None, tp_size)
+                   engine_id if isinstance(engine_id, str) else None, tp_size, block_size)
 
     def tokens_available(self, prompt_len: int) -> int:
         """Prompt tokens whose KV the producer holds (all of the prompt unless it said fewer)."""
@@ -94,9 +99,12 @@ class RemotePrefill:
 
 
 def producer_answer(*, request_id: str, block_ids: Sequence[int], engine_id: str, host: str,
-                    port: int, tp_size: int, num_tokens: int) -> dict[str, Any]:
-    """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields)."""
-    return {
+                    port: int, tp_size: int, num_tokens: int, block_size: int | None = None) -> dict[str, Any]:
+    """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields).
+
+    ``block_size`` (tokens per block of ``block_ids``) lets a decoder with other blocks choose
+    which tokens to load before it allocates (``remote_block_size``; omitted when None)."""
+    answer = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": [list(block_ids)],
@@ -108,3 +116,6 @@ def producer_answer(*, request_id: str, block_ids: Sequence[int], engine_id: str
         "remote_num_tokens": num_tokens,
         "transfer_mode": TRANSFER_MODE,
     }
+    if block_size is not None:
+        answer["remote_block_size"] = block_size
+    return answer

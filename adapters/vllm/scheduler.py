@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from kvxfer_vllm.extent import load_blocks, tokens_to_load
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.params import (
     BadParams, RemotePrefill, producer_answer, wants_remote_decode, wants_remote_prefill,
@@ -75,7 +76,10 @@ class KvxferScheduler:
             remote = RemotePrefill.parse(params)
         except BadParams:
             return 0, False  # reported once in after_alloc
-        count = remote.tokens_available(request.num_prompt_tokens) - num_computed_tokens
+        count = tokens_to_load(computed=num_computed_tokens,
+                               available=remote.tokens_available(request.num_prompt_tokens),
+                               local_block=self._block_size, remote_block=remote.block_size,
+                               remote_blocks=len(remote.block_ids))
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -101,11 +105,13 @@ class KvxferScheduler:
             return
         every = _first_group(blocks.get_block_ids())
         fresh = _first_group(blocks.get_unhashed_block_ids_all_groups())
-        skip = len(every) - len(fresh)           # leading blocks served by the local prefix cache
-        count = max(0, min(len(fresh), len(remote.block_ids) - skip))
+        computed = (len(every) - len(fresh)) * self._block_size  # tokens the local prefix cache served
+        blocks = load_blocks(computed=computed, count=num_external_tokens, fresh=fresh,
+                             remote_ids=remote.block_ids, local_block=self._block_size,
+                             remote_block=remote.block_size)
         self._orders.loads.append(LoadOrder(
             request.request_id, remote.request_id, remote.host, remote.port,
-            tuple(fresh[:count]), tuple(remote.block_ids[skip:skip + count]), remote.tp_size))
+            blocks.local, blocks.remote, remote.tp_size))
         self._loading.add(request.request_id)
 
     # ---- every step ------------------------------------------------------------------
@@ -181,7 +187,7 @@ class KvxferScheduler:
         return True, producer_answer(
             request_id=request_id, block_ids=final, engine_id=self._address.engine_id,
             host=self._address.host, port=self._address.port, tp_size=self._tp_size,
-            num_tokens=request.num_computed_tokens)
+            num_tokens=request.num_computed_tokens, block_size=self._block_size)
 
 
 def _first_group(block_ids: Any) -> tuple[int, ...]:
