@@ -58,3 +58,64 @@ def test_the_producers_block_size_travels_in_its_answer():
     assert answer["remote_block_size"] == 16 and RemotePrefill.parse(answer).block_size == 16
     del answer["remote_block_size"]
     assert RemotePrefill.parse(answer).block_size is None
+
+
+# ---- the chosen blocks, moved by real Agents: TP 2 producer with blocks of 16 -> vLLM CPU, blocks of 128 ----
+
+@pytest.mark.parametrize("prompt", [100, 120, 300, 600])
+def test_tp2_small_blocks_into_vllm_cpu_large_blocks_move_exactly_the_chosen_tokens(prompt):
+    import numpy as np
+    import torch
+
+    from kvxfer import Agent, AgentConfig, KVSpec
+    from kvxfer.layout.oracle import Arena, logical_kv as oracle_kv
+    from kvxfer.testing import FakeBackend, FakeWorld, MemoryNetwork, MemoryTransport, logical_kv
+    from kvxfer_vllm.cache import describe_cache
+
+    layers, heads, dim, small, big, n = 2, 2, 64, 16, 128, 8
+    world, network = FakeWorld(), MemoryNetwork()
+
+    def agent(name, spec, tensors, port):
+        a = Agent(name, spec, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port),
+                  backend=FakeBackend(name, world), transport=MemoryTransport(network))
+        a.register(tensors)
+        a.listen()
+        return a
+
+    remote_ids = tuple(range(63, 63 - _blocks(prompt, small), -1))   # the producer's blocks, backwards
+    rng = np.random.default_rng(prompt)
+    agents, p_specs, p_caches = [], [], []
+    try:
+        for r in range(2):  # kvxfer-hf-like producer ranks: NHD split, blocks of 16
+            spec = KVSpec(num_layers=layers, num_kv_heads=heads, head_dim=dim, block_size=small, num_blocks=64,
+                          dtype="float32", layout="NHD", storage="split", tp_rank=r, tp_size=2, model="m")
+            cache = [rng.standard_normal(s).astype(np.float32) for s in spec.tensor_shapes()]
+            agents.append(agent(f"p{r}", spec, cache, 7600))
+            agents[-1].hold("req", list(remote_ids))
+            p_specs.append(spec)
+            p_caches.append(cache)
+        whole = torch.zeros(layers, n, heads, big, 2 * dim)    # vLLM CPU backend, one allocation
+        desc = describe_cache([whole[i] for i in range(layers)], num_blocks=n, block_size=big, num_kv_heads=heads,
+                              head_size=dim, tp_rank=0, tp_size=1, model="m", cpu_isa="vec")
+        consumer = agent("d", desc.spec, desc.tensors, 7650)
+        agents.append(consumer)
+
+        count = tokens_to_load(computed=0, available=prompt, local_block=big, remote_block=small,
+                               remote_blocks=len(remote_ids))
+        if prompt == 100:   # 7 producer blocks cannot fill one block of 128: the decode computes it all
+            assert count == 0
+            return
+        fresh = (5, 2, 7, 0, 6)[:_blocks(prompt, big)]
+        got = load_blocks(computed=0, count=count, fresh=fresh, remote_ids=remote_ids, local_block=big,
+                          remote_block=small)
+        consumer.read(("127.0.0.1", 7600), list(got.local), list(got.remote), "req").wait(10)
+
+        landed = oracle_kv(consumer.cache, Arena.wrap(whole.numpy()), list(got.local)).view("<f4")
+        prompt_blocks = list(remote_ids)   # the prompt's tokens from 0, in the producer's blocks
+        sent = np.concatenate([logical_kv(s, c, prompt_blocks) for s, c in zip(p_specs, p_caches)], axis=3)
+        assert count and np.array_equal(landed[:, :, :count], sent[:, :, :count])
+        untouched = [b for b in range(n) if b not in got.local]
+        assert not whole[:, untouched].any()
+    finally:
+        for a in agents:
+            a.close()
