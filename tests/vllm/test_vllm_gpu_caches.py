@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer import Agent, AgentConfig, KvxferError, LayoutError, ReadRequest
+from kvxfer import Agent, AgentConfig, LayoutError, ReadRequest
 from kvxfer.layout.oracle import Arena, logical_kv
 from kvxfer.testing import FakeBackend, FakeWorld, MemoryNetwork, MemoryTransport
 from kvxfer_vllm.cache import describe_cache
@@ -277,7 +277,7 @@ def test_hnd_and_nhd_gpu_caches_are_not_mixed():
         producer, address = pair.agent("p", describe(p))
         consumer, _ = pair.agent("d", describe(d))
         producer.hold("req", [0])
-        with pytest.raises(KvxferError):
+        with pytest.raises(LayoutError, match="same format.*HND, storage head_packed.*NHD, packed"):
             _read(consumer, address, [1], [0])
         assert not d[0].view(torch.uint8).any()
     finally:
