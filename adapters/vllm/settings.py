@@ -178,9 +178,9 @@ def _check_extra_keys(extra: Mapping[str, Any]) -> None:
             "has no idle timeout; remove engine_ttl or set it to 0 (docs/vllm.md, 'Configuration keys')")
     if not parse_flag(extra.get("enforce_handshake_compat", True), "kv_connector_extra_config.enforce_handshake_compat"):
         raise ConfigError(
-            "kv_connector_extra_config.enforce_handshake_compat=false cannot be honoured: kvxfer always refuses "
-            "a peer whose cache it cannot translate byte-exactly (model, dtype, head size, layers); block "
-            "size, layout and TP differences are translated, so the check never needs turning off")
+            "kv_connector_extra_config.enforce_handshake_compat=false cannot be honoured: kvxfer always compares "
+            "the model, dtype, head size and layers and refuses a peer whose bytes it cannot place exactly; it "
+            "translates TP sizes, block sizes and layouts where its description of the cache allows (docs/vllm.md)")
     if parse_flag(extra.get("bidirectional_kv_xfer", False), "kv_connector_extra_config.bidirectional_kv_xfer"):
         raise ConfigError(
             "kv_connector_extra_config.bidirectional_kv_xfer=true is not supported by KvxferConnector: the "
