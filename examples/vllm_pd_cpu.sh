@@ -27,12 +27,14 @@ Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
 PYEOF
 fi
 
+# kv_connector_extra_config takes vLLM NixlConnector's keys (docs/vllm.md, "Configuration keys"):
+# here its defaults, written out: a 30 s lease on unclaimed prefills, 4 NIXL worker threads.
 serve() {  # serve PORT CORE SIDE_CHANNEL_PORT ROLE
   VLLM_CPU_OMP_THREADS_BIND=$2 VLLM_CPU_KVCACHE_SPACE=1 \
   VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=$3 \
   setsid "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name tiny \
-    --port "$1" --skip-tokenizer-init --enforce-eager --max-model-len 2048 --block-size 32 \
-    --kv-transfer-config "{\"kv_connector\":\"KvxferConnector\",\"kv_role\":\"$4\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"fail\"}" \
+    --port "$1" --skip-tokenizer-init --enforce-eager --max-model-len 2048 --block-size 32 --dtype float32 \
+    --kv-transfer-config "{\"kv_connector\":\"KvxferConnector\",\"kv_role\":\"$4\",\"kv_buffer_device\":\"cpu\",\"kv_load_failure_policy\":\"fail\",\"kv_connector_extra_config\":{\"kv_lease_duration\":30,\"num_threads\":4}}" \
     > "$WORK/vllm-$1.log" 2>&1 &
   PIDS+=($!)
 }

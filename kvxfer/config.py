@@ -181,6 +181,8 @@ class AgentConfig:
             Like the side channel, TP rank r of DP rank d serves on ``base + d * tp_size + r``.
             Binds ``side_channel_host`` when set, else every interface. Needs ``prometheus-client``
             (``pip install kvxfer[metrics]``); docs/metrics.md lists the metrics.
+        num_threads: worker threads of each NIXL backend that takes them (UCX, LIBFABRIC, OBJ,
+            GDS_MT, UCCL); 0 (default): the plugin's own default.
         express_port: where this agent's *express lane* listens (env ``KVXFER_EXPRESS_PORT``): after
             the handshake on the ZMQ side channel, each session's claims, Done, aborts and
             heartbeats travel on one plain TCP connection to this port, which wakes fewer threads
@@ -207,6 +209,7 @@ class AgentConfig:
     nixl_progress_thread: bool | None = None
     metrics_port: int | None = None
     express_port: int | None = 0
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
         set_ = partial(object.__setattr__, self)
@@ -231,6 +234,7 @@ class AgentConfig:
             raise ConfigError(f"auth_key must be bytes, a str or None; got {type(self.auth_key).__name__}")
         set_("allow_conversion", check_flag(self.allow_conversion, "allow_conversion"))
         set_("staging_bytes", check_count(self.staging_bytes, "staging_bytes"))
+        set_("num_threads", check_count(self.num_threads, "num_threads", 0, 1024))
         set_("max_message_bytes", check_count(self.max_message_bytes, "max_message_bytes", MIN_MESSAGE_BYTES))
         if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:
             raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "

@@ -75,6 +75,8 @@ class RemotePrefill:
     ``num_tokens`` is ``remote_num_tokens``: the prompt tokens whose KV the producer computed
     (None: the whole prompt). ``groups``: one id tuple per KV-cache group (block ids, or a state
     group's slots); ``block_ids`` is the first group's (the only one of a one-group cache).
+    ``block_size`` is ``remote_block_size``: tokens per producer block (None: the producer did
+    not say; older producers and vLLM's NixlConnector).
     """
 
     request_id: str
@@ -85,6 +87,7 @@ class RemotePrefill:
     engine_id: str | None = None
     tp_size: int = 1
     groups: tuple[tuple[int, ...], ...] = ()
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:   # built by hand with block ids alone: one group
@@ -118,9 +121,12 @@ class RemotePrefill:
         if pp_size is not None and _int(pp_size, "pp_size", 1) != 1:
             raise BadParams(f"pipeline parallelism is not supported: pp_size must be 1; got {pp_size}")
         engine_id = params.get("remote_engine_id")
+        block_size = params.get("remote_block_size")
+        if block_size is not None:
+            block_size = _int(block_size, "remote_block_size", 1)
         groups = _block_ids(params["remote_block_ids"], num_groups)
         return cls(request_id, host, port, groups[0], num_tokens,
-                   engine_id if isinstance(engine_id, str) else None, tp_size, groups)
+                   engine_id if isinstance(engine_id, str) else None, tp_size, groups, block_size)
 
     def tokens_available(self, prompt_len: int) -> int:
         """Prompt tokens whose KV the producer holds (all of the prompt unless it said fewer)."""
@@ -137,16 +143,19 @@ def _answer_groups(block_ids: Any) -> list[list[int]]:
 
 
 def producer_answer(*, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], engine_id: str,
-                    host: str, port: int, tp_size: int, num_tokens: int) -> dict[str, Any]:
+                    host: str, port: int, tp_size: int, num_tokens: int,
+                    block_size: int | None = None) -> dict[str, Any]:
     """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields).
 
     ``block_ids``: the ids of a one-group cache, or one list per KV-cache group (block ids, a
-    state group's slots), already cut to what moves (a sliding group's window).
+    state group's slots), already cut to what moves (a sliding group's window). ``block_size``
+    (tokens per block of ``block_ids``) lets a decoder with other blocks choose which tokens to
+    load before it allocates (``remote_block_size``; omitted when None).
 
     Raises:
         BadParams: ids that are not lists of non-negative integers (names the list).
     """
-    return {
+    answer = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": _answer_groups(block_ids),
@@ -158,3 +167,6 @@ def producer_answer(*, request_id: str, block_ids: Sequence[int] | Sequence[Sequ
         "remote_num_tokens": num_tokens,
         "transfer_mode": TRANSFER_MODE,
     }
+    if block_size is not None:
+        answer["remote_block_size"] = block_size
+    return answer

@@ -136,7 +136,8 @@ class HFEngine:
             raise
         host, port = transfers.address
         params = producer_answer(request_id=request_id, block_ids=blocks, engine_id=transfers.engine_id,
-                                 host=host, port=port, tp_size=1, num_tokens=len(prompt))
+                                 host=host, port=port, tp_size=1, num_tokens=len(prompt),
+                                 block_size=self.pool.spec.block_size)
         return Generation(ids, reason, params)
 
     def decode(self, prompt: Sequence[int], max_tokens: int, remote: RemotePrefill,

@@ -61,7 +61,8 @@ def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int) -> st
 
 def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_size: int,
                    num_kv_heads: int, head_size: int, tp_rank: int, tp_size: int,
-                   model: str, mla: bool = False, cpu_isa: str | None = None) -> CacheDescription:
+                   model: str, mla: bool = False, cpu_isa: str | None = None,
+                   cpu_kernel: bool | None = None) -> CacheDescription:
     """Describe vLLM's per-layer KV tensors (in layer order).
 
     Args:
@@ -69,6 +70,10 @@ def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_
         head_size: elements per head vector (the latent size for MLA).
         cpu_isa: for the CPU backend's cache, the attention kernel that writes it (its K order
             depends on it); None: ask vLLM (``cpu_attention_isa``).
+        cpu_kernel: whether vLLM's CPU attention backend owns the cache (its kernels give the
+            ``[blocks, heads, tokens, 2 * head_size]`` tensor their own inner order); None: the
+            tensors' device says (CPU memory: yes). The GPU backends (FlashAttention, FlashInfer,
+            Triton, FlexAttention) keep each token's K and V side by side in that tensor.
 
     Raises:
         LayoutError: a shape or memory order this adapter does not know (names both).
@@ -88,8 +93,10 @@ def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_
     if mla:
         return _mla(tensors, shape, common, heads)
     if shape == (num_blocks, heads, block_size, 2 * head_size):
-        isa = cpu_isa or cpu_attention_isa(first.dtype, block_size, head_size)
-        return _cpu_interleaved(tensors, common, isa)
+        if cpu_kernel if cpu_kernel is not None else first.device.type == "cpu":
+            isa = cpu_isa or cpu_attention_isa(first.dtype, block_size, head_size)
+            return _cpu_interleaved(tensors, common, isa)
+        return describe_fused(tensors, common)
     if len(shape) == 5:
         return _five_dim(tensors, shape, common, heads)
     raise LayoutError(f"unknown KV-cache tensor shape {shape} (blocks={num_blocks}, heads={heads}, "
@@ -98,11 +105,73 @@ def describe_cache(kv_caches: Sequence[torch.Tensor], *, num_blocks: int, block_
 
 def _mla(tensors: list[torch.Tensor], shape: tuple[int, ...], common: dict[str, Any],
          heads: int) -> CacheDescription:
-    n, bs, d = common["num_blocks"], common["block_size"], common["head_dim"]
-    if shape != (n, bs, d) or not all(t.is_contiguous() for t in tensors):
-        raise LayoutError(f"expected a dense MLA cache [{n}, {bs}, {d}] per layer; got {shape}")
-    spec = KVSpec(**common, mla=True, layout="NHD", storage="split")
-    return CacheDescription(spec, [t.view(-1) for t in tensors])
+    """``[blocks, tokens, latent]`` per layer, or vLLM 0.32's ``[blocks, 1, tokens, latent]`` view:
+    dense per layer (layer-outer layouts), or one row per block holding every layer (block-outer)."""
+    n, bs, d, L = common["num_blocks"], common["block_size"], common["head_dim"], common["num_layers"]
+    if shape == (n, 1, bs, d):
+        tensors = [t[:, 0] for t in tensors]
+    elif shape != (n, bs, d):
+        raise LayoutError(f"expected an MLA cache [{n}, {bs}, {d}] or [{n}, 1, {bs}, {d}] per layer; got {shape}")
+    st = tensors[0].stride()
+    if st[1:] != (d, 1):
+        raise LayoutError(f"expected each MLA block's tokens dense; got strides {st} for {tuple(tensors[0].shape)}")
+    if st[0] == bs * d:
+        spec = KVSpec(**common, mla=True, layout="NHD", storage="split")
+        return CacheDescription(spec, [_flat(t, n * bs * d) for t in tensors])
+    if st[0] == L * bs * d and _consecutive(tensors, bs * d):
+        spec = KVSpec(**common, mla=True, layout="NHD", storage="cross_layer")
+        return CacheDescription(spec, [_flat(tensors[0], n * L * bs * d)])
+    raise LayoutError(f"unknown MLA block placement: block stride {st[0]} elements, expected {bs * d} "
+                      f"(layer-outer) or {L * bs * d} (block-outer)")
+
+
+def _consecutive(tensors: list[torch.Tensor], elems: int) -> bool:
+    """Layer i's block 0 starts ``i * elems`` elements after layer 0's (one block row holds every layer)."""
+    base, item = tensors[0].data_ptr(), tensors[0].element_size()
+    return all(t.data_ptr() - base == i * elems * item for i, t in enumerate(tensors))
+
+
+def describe_fused(tensors: list[torch.Tensor], common: dict[str, Any]) -> CacheDescription:
+    """vLLM 0.32's GPU attention caches: per layer the logical ``[blocks, heads, tokens, 2 * head_size]``
+    tensor of ``allocate_kv_cache``, each head vector holding the token's K then its V (FlashAttention,
+    Triton and FlexAttention split the last axis; FlashInfer too, NVFP4 aside), in the memory order of
+    the KV-cache layout (``VLLM_KV_CACHE_LAYOUT``).
+
+    kvxfer's KVSpec has no storage with K and V side by side inside one head vector, so the
+    description places whole blocks exactly (the bytes of one block of one layer), and whole
+    heads too with the head-major layout ``LBHNC`` (each head's tokens are one span); it does not
+    place K and V themselves. Only peers of the same format are then exact (``same_format_only``):
+    another vLLM GPU instance with the same layout and block size; with ``LBHNC``, of any TP size.
+
+    ``LBHNC`` -> ``head_packed`` HND; ``LBNHC`` -> ``packed`` NHD; ``BLHNC``/``BLNHC`` (cross-layer
+    blocks) -> ``cross_layer``; layouts with heads outside blocks (``LHBNC``, ``BHLNC``) are refused.
+    """
+    t = tensors[0]
+    n, h, bs, c = t.shape
+    L = common["num_layers"]
+    st = t.stride()
+    vec = h * bs * c  # elements of one block of one layer
+    if st[3] != 1:
+        raise LayoutError(f"expected each head vector dense (stride 1); got strides {st}")
+    if st[2] == c and st[1] == bs * c:
+        layout = "HND"
+    elif st[1] == c and st[2] == h * c:
+        layout = "NHD"
+    else:
+        raise LayoutError(f"vLLM KV-cache layout with heads outside blocks (strides {st} for shape {tuple(t.shape)}; "
+                          "LHBNC or BHLNC) is not supported; use LBHNC (the connector's default) or LBNHC")
+    note = "vLLM GPU cache with K and V side by side in each head vector: whole blocks of the same format only"
+    if st[0] == vec:
+        storage = "head_packed" if layout == "HND" else "packed"
+        spec = KVSpec(**common, layout=layout, storage=storage)
+        return CacheDescription(spec, [_flat(x, n * vec) for x in tensors], head_slices_exact=layout == "HND",
+                                same_format_only=True, note=note)
+    if st[0] == L * vec and _consecutive(tensors, vec):
+        spec = KVSpec(**common, layout=layout, storage="cross_layer")
+        return CacheDescription(spec, [_flat(t, n * L * vec)], head_slices_exact=False, same_format_only=True,
+                                note=note)
+    raise LayoutError(f"unknown block placement: block stride {st[0]} elements for blocks of {vec} "
+                      f"elements and {L} layers")
 
 
 def _cpu_interleaved(tensors: list[torch.Tensor], common: dict[str, Any], isa: str | None) -> CacheDescription:

@@ -77,6 +77,10 @@ class KvxferConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.bind(kv_cache_manager)
 
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 

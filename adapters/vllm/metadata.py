@@ -32,6 +32,15 @@ class ReleaseOrder:
     port: int
 
 
+@dataclass(frozen=True)
+class HeartbeatOrder:
+    """Extend the producer's hold on ``remote_request_ids``: their decode requests still wait in this queue."""
+
+    host: str
+    port: int
+    remote_request_ids: tuple[str, ...]
+
+
 @dataclass
 class StepOrders(KVConnectorMetadata):
     """One step's orders for every worker.
@@ -41,7 +50,8 @@ class StepOrders(KVConnectorMetadata):
     blocks vLLM keeps until the workers report them sent), ``dropped`` (holds to release:
     the request did not end in a way that hands its KV on).
     Consumer side: ``loads`` to start, ``releases`` to send, ``cancels`` (own request ids whose
-    in-flight load must stop: the request was aborted).
+    in-flight load must stop: the request was aborted), ``heartbeats`` to send (vLLM's
+    kv_lease_duration contract: requests queued here keep their producer's hold).
     """
 
     holds: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -50,6 +60,7 @@ class StepOrders(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     releases: list[ReleaseOrder] = field(default_factory=list)
     cancels: set[str] = field(default_factory=set)
+    heartbeats: list[HeartbeatOrder] = field(default_factory=list)
 
 
 @dataclass

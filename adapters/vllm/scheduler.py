@@ -7,9 +7,11 @@ Runs in vLLM's engine-core process, without an Agent: it turns request events in
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
-from kvxfer_vllm.metadata import LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
+from kvxfer_vllm.extent import load_blocks, tokens_to_load
+from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.params import (
     BadParams, RemotePrefill, producer_answer, wants_remote_decode, wants_remote_prefill,
 )
@@ -28,7 +30,8 @@ class KvxferScheduler:
     blocks the local prefix cache does not already cover; an abort cancels the load.
     """
 
-    def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int) -> None:
+    def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings
         self._engine_id = engine_id
         self._tp_size = tp_size
@@ -39,6 +42,9 @@ class KvxferScheduler:
         self._held: dict[str, tuple[int, ...]] = {}   # request id -> blocks the workers hold
         self._loading: set[str] = set()               # consumer requests with a load in flight
         self._orders = StepOrders()
+        self._clock = clock
+        self._queued: dict[str, RemotePrefill] = {}   # consumer requests waiting here, not loading yet
+        self._last_beat = clock()
 
     # ---- wiring ----------------------------------------------------------------------
     def bind(self, kv_cache_manager: Any) -> None:
@@ -51,6 +57,16 @@ class KvxferScheduler:
             self._address = head
 
     # ---- consumer --------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """A request entered the queue: one that decodes a remote prefill is heartbeated until its load starts."""
+        params = request.kv_transfer_params
+        if not self._settings.consumes or not wants_remote_prefill(params):
+            return
+        try:
+            self._queued[request.request_id] = RemotePrefill.parse(params)
+        except BadParams:
+            return  # reported once in after_alloc
+
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens to load from the producer beyond those computed locally (no side effects)."""
         params = request.kv_transfer_params
@@ -60,7 +76,10 @@ class KvxferScheduler:
             remote = RemotePrefill.parse(params)
         except BadParams:
             return 0, False  # reported once in after_alloc
-        count = remote.tokens_available(request.num_prompt_tokens) - num_computed_tokens
+        count = tokens_to_load(computed=num_computed_tokens,
+                               available=remote.tokens_available(request.num_prompt_tokens),
+                               local_block=self._block_size, remote_block=remote.block_size,
+                               remote_blocks=len(remote.block_ids))
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -71,6 +90,7 @@ class KvxferScheduler:
         if not wants_remote_prefill(params):
             return
         params["do_remote_prefill"] = False  # one load per request, even if called again
+        self._queued.pop(request.request_id, None)  # the load's claim keeps the hold from here
         try:
             remote = RemotePrefill.parse(params)
         except BadParams as exc:
@@ -85,11 +105,13 @@ class KvxferScheduler:
             return
         every = _first_group(blocks.get_block_ids())
         fresh = _first_group(blocks.get_unhashed_block_ids_all_groups())
-        skip = len(every) - len(fresh)           # leading blocks served by the local prefix cache
-        count = max(0, min(len(fresh), len(remote.block_ids) - skip))
+        computed = (len(every) - len(fresh)) * self._block_size  # tokens the local prefix cache served
+        blocks = load_blocks(computed=computed, count=num_external_tokens, fresh=fresh,
+                             remote_ids=remote.block_ids, local_block=self._block_size,
+                             remote_block=remote.block_size)
         self._orders.loads.append(LoadOrder(
             request.request_id, remote.request_id, remote.host, remote.port,
-            tuple(fresh[:count]), tuple(remote.block_ids[skip:skip + count]), remote.tp_size))
+            blocks.local, blocks.remote, remote.tp_size))
         self._loading.add(request.request_id)
 
     # ---- every step ------------------------------------------------------------------
@@ -103,8 +125,23 @@ class KvxferScheduler:
                 self._orders.holds[request_id] = blocks
                 self._held[request_id] = blocks
                 del self._producing[request_id]
+        self._heartbeat()
         orders, self._orders = self._orders, StepOrders()
         return orders
+
+    def _heartbeat(self) -> None:
+        """Every ``heartbeat_interval`` (vLLM: kv_lease_duration / 6), one heartbeat per producer
+        for the requests still queued here."""
+        interval = self._settings.heartbeat_interval
+        now = self._clock()
+        if not self._queued or interval is None or now - self._last_beat < interval:
+            return
+        self._last_beat = now
+        by_producer: dict[tuple[str, int], list[str]] = {}
+        for remote in self._queued.values():
+            by_producer.setdefault((remote.host, remote.port), []).append(remote.request_id)
+        self._orders.heartbeats.extend(HeartbeatOrder(host, port, tuple(ids))
+                                       for (host, port), ids in by_producer.items())
 
     def update(self, connector_output: Any) -> None:
         for request_id in connector_output.finished_recving or ():
@@ -118,6 +155,7 @@ class KvxferScheduler:
         request_id = request.request_id
         params = request.kv_transfer_params
         self._producing.pop(request_id, None)
+        self._queued.pop(request_id, None)
         if wants_remote_prefill(params):
             # aborted before it was ever scheduled: the producer still holds the blocks
             params["do_remote_prefill"] = False
@@ -149,7 +187,7 @@ class KvxferScheduler:
         return True, producer_answer(
             request_id=request_id, block_ids=final, engine_id=self._address.engine_id,
             host=self._address.host, port=self._address.port, tp_size=self._tp_size,
-            num_tokens=request.num_computed_tokens)
+            num_tokens=request.num_computed_tokens, block_size=self._block_size)
 
 
 def _first_group(block_ids: Any) -> tuple[int, ...]:

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvxfer import AgentConfig, ConfigError
-from kvxfer.config import parse_flag, parse_seconds
+from kvxfer.config import check_count, parse_flag, parse_seconds
 
-#: Seconds a prefill instance keeps blocks nobody claimed (the seed guide's variable; vLLM 0.32 dropped it from vllm.envs).
+log = logging.getLogger("vllm.kvxfer_vllm.settings")
+
+#: Seconds a prefill instance keeps blocks nobody claimed (the seed guide's variable; vLLM 0.32 dropped it
+#: from vllm.envs and reads ``kv_lease_duration`` instead, which wins here too).
 ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
+
+#: vLLM 0.32's NixlConnector defaults for the keys it reads from kv_connector_extra_config.
+DEFAULT_LEASE_DURATION = 30.0     # kv_lease_duration
+DEFAULT_NUM_THREADS = 4           # num_threads
+
+#: Keys of kv_connector_extra_config this adapter understands (docs/vllm.md, "Configuration keys"):
+#: vLLM 0.32 NixlConnector's and kvxfer's own. Others are logged once (vLLM ignores unknown keys).
+KNOWN_KEYS = frozenset({
+    "backends", "enable_cross_layers_blocks", "kv_lease_duration", "engine_ttl", "enforce_handshake_compat",
+    "num_threads", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "kv_recompute_threshold",
+    "transfer_timeout", "handshake_timeout",
+})
+
+_warned_unknown: set[str] = set()   # unknown keys already logged by this process
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("fail", "recompute")
@@ -29,8 +47,12 @@ class Settings:
         allow_conversion: enable_permute_local_kv: allow HND <-> NHD conversion.
         cross_layers: kv_connector_extra_config.enable_cross_layers_blocks.
         buffer_device: kv_transfer_config.kv_buffer_device.
-        lease: seconds a producer holds unclaimed blocks (VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
-            else kvxfer's KVXFER_LEASE_TIMEOUT / default).
+        lease: seconds a producer holds unclaimed blocks (kv_connector_extra_config.kv_lease_duration,
+            else VLLM_NIXL_ABORT_REQUEST_TIMEOUT, else KVXFER_LEASE_TIMEOUT, else vLLM's 30 s;
+            None: kvxfer's AgentConfig decides). A decode instance heartbeats the requests waiting in
+            its queue every ``lease / 6`` seconds (``heartbeat_interval``).
+        num_threads: NIXL worker threads of each backend that takes them (kv_connector_extra_config
+            .num_threads, vLLM's default 4; 0: the plugin's own default).
         transfer_timeout: seconds one read may take (kv_connector_extra_config.transfer_timeout).
         handshake_timeout: seconds one side-channel round trip may take
             (kv_connector_extra_config.handshake_timeout).
@@ -47,12 +69,18 @@ class Settings:
     transfer_timeout: float | None = None
     handshake_timeout: float | None = None
     dp_rank: int = 0
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"kv_role must be one of {ROLES}; got {self.role!r}")
         if self.failure_policy not in POLICIES:
             raise ConfigError(f"kv_load_failure_policy must be one of {POLICIES}; got {self.failure_policy!r}")
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        """Seconds between a decode instance's heartbeats for queued requests (vLLM: lease / 6)."""
+        return None if self.lease is None else self.lease / 6
 
     @property
     def produces(self) -> bool:
@@ -71,9 +99,8 @@ class Settings:
         backends = extra.get("backends")  # None: kvxfer's KVXFER_BACKENDS, then UCX
         if isinstance(backends, str):
             backends = [b.strip() for b in backends.split(",") if b.strip()]
-        lease = None
-        if env.get(ABORT_TIMEOUT_ENV):
-            lease = parse_seconds(env[ABORT_TIMEOUT_ENV], ABORT_TIMEOUT_ENV)
+        _check_extra_keys(extra)
+        lease = _lease(extra, env)
         timeout = extra.get("transfer_timeout")
         handshake = extra.get("handshake_timeout")
         return cls(
@@ -87,11 +114,13 @@ class Settings:
             transfer_timeout=None if timeout is None else parse_seconds(timeout, "transfer_timeout"),
             handshake_timeout=None if handshake is None else parse_seconds(handshake, "handshake_timeout"),
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
+            num_threads=_count(extra.get("num_threads", DEFAULT_NUM_THREADS), "num_threads"),
         )
 
     def agent_config(self) -> AgentConfig:
         """The kvxfer AgentConfig: side-channel host/port from the environment (KVXFER_*, then VLLM_NIXL_*)."""
-        overrides: dict[str, Any] = {"dp_rank": self.dp_rank, "allow_conversion": self.allow_conversion}
+        overrides: dict[str, Any] = {"dp_rank": self.dp_rank, "allow_conversion": self.allow_conversion,
+                                     "num_threads": self.num_threads}
         if self.backends is not None:
             overrides["backends"] = self.backends
         if self.lease is not None:
@@ -101,3 +130,68 @@ class Settings:
         if self.handshake_timeout is not None:
             overrides["handshake_timeout"] = self.handshake_timeout
         return AgentConfig.from_env(**overrides)
+
+
+def _count(value: Any, name: str) -> int:
+    """An integer >= 0 from a config value (JSON number or numeric string, as vLLM's CLI passes both)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    return check_count(value, f"kv_connector_extra_config.{name}")
+
+
+def _number(value: Any, name: str) -> float:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{name} must be a number; got {value!r}") from None
+    if number != number:
+        raise ConfigError(f"kv_connector_extra_config.{name} must be a number; got {value!r}")
+    return number
+
+
+def _lease(extra: Mapping[str, Any], env: Mapping[str, str]) -> float:
+    """kv_lease_duration, else VLLM_NIXL_ABORT_REQUEST_TIMEOUT, else KVXFER_LEASE_TIMEOUT, else 30 s."""
+    if extra.get("kv_lease_duration") is not None:
+        return parse_seconds(extra["kv_lease_duration"], "kv_connector_extra_config.kv_lease_duration")
+    if env.get(ABORT_TIMEOUT_ENV):
+        return parse_seconds(env[ABORT_TIMEOUT_ENV], ABORT_TIMEOUT_ENV)
+    if env.get("KVXFER_LEASE_TIMEOUT"):
+        return parse_seconds(env["KVXFER_LEASE_TIMEOUT"], "KVXFER_LEASE_TIMEOUT")
+    return DEFAULT_LEASE_DURATION
+
+
+def _check_extra_keys(extra: Mapping[str, Any]) -> None:
+    """Refuse the NixlConnector keys kvxfer cannot honour; log unknown keys once.
+
+    Raises:
+        ConfigError: ``engine_ttl`` > 0 (kvxfer has no idle timeout for peers), ``enforce_handshake_compat``
+            false (kvxfer always checks), ``bidirectional_kv_xfer`` true (not built), or a malformed
+            value of a key vLLM reads only with bidirectional_kv_xfer.
+    """
+    ttl = extra.get("engine_ttl")
+    if ttl is not None and _number(ttl, "engine_ttl") > 0:   # vLLM: <= 0 never forgets, as kvxfer does
+        raise ConfigError(
+            f"kv_connector_extra_config.engine_ttl={ttl!r} cannot be honoured: kvxfer keeps a producer's "
+            "side-channel session until that producer is lost or restarts (it then handshakes afresh) and "
+            "has no idle timeout; remove engine_ttl or set it to 0 (docs/vllm.md, 'Configuration keys')")
+    if not parse_flag(extra.get("enforce_handshake_compat", True), "kv_connector_extra_config.enforce_handshake_compat"):
+        raise ConfigError(
+            "kv_connector_extra_config.enforce_handshake_compat=false cannot be honoured: kvxfer always compares "
+            "the model, dtype, head size and layers and refuses a peer whose bytes it cannot place exactly; it "
+            "translates TP sizes, block sizes and layouts where its description of the cache allows (docs/vllm.md)")
+    if parse_flag(extra.get("bidirectional_kv_xfer", False), "kv_connector_extra_config.bidirectional_kv_xfer"):
+        raise ConfigError(
+            "kv_connector_extra_config.bidirectional_kv_xfer=true is not supported by KvxferConnector: the "
+            "prefill instance would read the decode instance's KV on the next turn; not built (docs/vllm.md, "
+            "'Configuration keys'); remove it or use vLLM's NixlConnector")
+    if extra.get("decoder_kv_blocks_ttl") is not None:   # vLLM reads it only with bidirectional_kv_xfer
+        parse_seconds(extra["decoder_kv_blocks_ttl"], "kv_connector_extra_config.decoder_kv_blocks_ttl")
+    if extra.get("kv_recompute_threshold") is not None:  # likewise
+        _count(extra["kv_recompute_threshold"], "kv_recompute_threshold")
+    unknown = sorted(set(extra) - KNOWN_KEYS - _warned_unknown)
+    if unknown:
+        _warned_unknown.update(unknown)
+        log.warning("kvxfer: ignoring unknown kv_connector_extra_config key(s) %s (vLLM ignores them too); "
+                    "known: %s", unknown, sorted(KNOWN_KEYS))

@@ -14,13 +14,14 @@ recompute into them nor give them to another request while bytes may still land.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer import Agent, ConfigError, KvxferError, ReadRequest, TransferHandle
 
 from kvxfer_vllm.cache import CacheDescription, describe_cache
-from kvxfer_vllm.metadata import LoadOrder, StepOrders, WorkerAddress
+from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.settings import Settings
 from kvxfer_vllm.stats import KvxferKVConnectorStats
 
@@ -71,6 +72,7 @@ class KvxferWorker:
         self._released: set[str] = set()    # producer requests the agent let go, not yet reported
         self._ignored: set[str] = set()     # holds dropped on vLLM's behalf: never reported
         self._stats = KvxferKVConnectorStats()  # since vLLM last asked (get_kv_connector_stats)
+        self._beats: ThreadPoolExecutor | None = None  # sends heartbeats off the engine thread
 
     # ---- set-up --------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
@@ -128,6 +130,8 @@ class KvxferWorker:
         self._start_loads(agent, orders.loads)
         for release in orders.releases:
             agent.abort(release.remote_request_id, remote=(release.host, release.port), wait=False)
+        for beat in orders.heartbeats:
+            self._send_heartbeat(agent, beat)
         for request_id in orders.cancels:
             load = self._loads.get(request_id)
             if load is not None and not load.cancelled:
@@ -177,11 +181,31 @@ class KvxferWorker:
         return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     def close(self) -> None:
+        if self._beats is not None:
+            self._beats.shutdown(wait=False, cancel_futures=True)
+            self._beats = None
         if self._agent is not None:
             self._agent.close()
             self._agent = None
 
     # ---- internals -----------------------------------------------------------------
+    def _send_heartbeat(self, agent: Agent, beat: HeartbeatOrder) -> None:
+        """``Agent.keepalive`` on a helper thread (it waits for the producer's answer); never raises."""
+        if self._beats is None:
+            self._beats = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-heartbeat")
+
+        def send() -> None:
+            try:
+                result = agent.keepalive((beat.host, beat.port), list(beat.remote_request_ids))
+            except KvxferError as exc:  # closed while queued
+                log.debug("kvxfer: heartbeat to %s:%d not sent: %s", beat.host, beat.port, exc)
+                return
+            if result.gone or result.unreachable:
+                log.warning("kvxfer: heartbeat to %s:%d: no longer held %s, unreachable %s",
+                            beat.host, beat.port, list(result.gone), list(result.unreachable))
+
+        self._beats.submit(send)
+
     def _require_agent(self) -> Agent:
         if self._agent is None:
             raise KvxferError("the KV cache was not registered with kvxfer yet")

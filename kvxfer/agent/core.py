@@ -92,7 +92,8 @@ class Agent:
             thread = progress_thread_wanted(self.config.nixl_progress_thread)
             log.info("agent %s: NIXL progress thread %s%s", self.engine_id, "on" if thread else "off",
                      " (auto: by this process's cores)" if self.config.nixl_progress_thread is None else "")
-            backend = NixlBackend(f"{self.engine_id}", self.config.backends, progress_thread=thread)
+            backend = NixlBackend(f"{self.engine_id}", self.config.backends, self.config.num_threads,
+                                  progress_thread=thread)
         self._backend = backend
         self._codec = Codec(compat_hash(spec), key=self.config.auth_key,
                             max_bytes=self.config.max_message_bytes)

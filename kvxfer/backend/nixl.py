@@ -150,6 +150,7 @@ class NixlBackend:
             raise ConfigError(f"num_threads must be an int >= 0; got {num_threads!r}")
         self.name = name
         self.backends = backends
+        self.num_threads = num_threads
         self.progress_thread = bool(progress_thread)
         self._lock = threading.RLock()
         self._nx = _Boundary(name)
