@@ -27,7 +27,7 @@ from kvxfer.bench.report import _tokens_cell, add_ratios
 from kvxfer.bench.run import BenchConfig, run_bench
 from kvxfer.errors import ConfigError
 
-__all__ = ["METHODS", "SETTINGS", "run_two_hosts", "table"]
+__all__ = ["FIRST_CONTACT", "METHODS", "SETTINGS", "run_two_hosts", "table"]
 
 #: (name, extra environment, methods) for each pass.
 SETTINGS = (
@@ -35,8 +35,11 @@ SETTINGS = (
      ("nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged")),
     ("kvxfer", {},
      ("tcp-socket", "nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent-direct",
-      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-first-read", "kvxfer-relink")),
+      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink",
+      "kvxfer-first-read")),
 )
+#: The methods whose rows compare a first read with a warm one (``first_ms``, ``warm_ms``, ``gap_ms``).
+FIRST_CONTACT = ("kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
 #: Every method a two-hosts run knows (``--methods`` naming another is refused).
 METHODS = tuple(dict.fromkeys(m for _, _, methods in SETTINGS for m in methods))
 
@@ -105,7 +108,7 @@ def table(report: dict) -> str:
                           "-", "-", "-", "-", why])
             continue
         notes = ""
-        if r["method"] in ("kvxfer-first-read", "kvxfer-relink"):
+        if r["method"] in FIRST_CONTACT:
             notes = (f"first {r['first_ms']:.1f} ms, warm {r['warm_ms']:.1f} ms, first - warm {r['gap_ms']:.1f} ms"
                      + (f", handshake {r['handshake_ms']:.1f} ms" if "handshake_ms" in r else "")
                      + (f", fresh producer {r['fresh_ms']:.1f} ms" if r.get("fresh_ms") else ""))
