@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import socket
 import statistics
+import struct
 import time
 from typing import Any
 
@@ -35,8 +36,8 @@ from kvxfer.bench.methods import _DEADLINE, _loop
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
 
-_PRODUCER_PORT_OFFSET = 100   # the per-iteration producer agents' side channel
-_CONTROL_PORT_OFFSET = 8      # the control socket: "r" (producer ready), "d" (both reads done)
+_CONTROL_PORT_OFFSET = 8      # the control socket: "r" + port (producer ready), "d" (both reads done)
+_PORT = struct.Struct("<H")
 _CONSUMER_PORT_OFFSET = 105
 
 
@@ -72,7 +73,7 @@ def _serve_restarts(w, request, rounds: int, options: dict, start: int) -> dict:
         conn, _ = server.accept()
     finally:
         server.close()
-    port = options["port"] + _PRODUCER_PORT_OFFSET
+    port = _free_port(options["producer_host"])
     config = _agent_config(options, port, options["producer_host"], options.get("producer_path"))
     with conn:
         conn.settimeout(_DEADLINE)
@@ -83,7 +84,7 @@ def _serve_restarts(w, request, rounds: int, options: dict, start: int) -> dict:
                 agent.listen()
                 for rid in _rids(options, it):
                     agent.hold(rid, request["ids"], consumers=1)
-                conn.sendall(b"r")
+                conn.sendall(b"r" + _PORT.pack(port))
                 if conn.recv(1) != b"d":
                     raise ConnectionError("the consumer closed the control socket early")
             finally:
@@ -91,9 +92,25 @@ def _serve_restarts(w, request, rounds: int, options: dict, start: int) -> dict:
     return {"rounds": rounds, "agents": rounds - start}
 
 
-def _wait_ready(sock: socket.socket) -> None:
-    if sock.recv(1) != b"r":
-        raise ConnectionError("the producer closed the control socket early")
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now, in the producer's own namespace (a fixed offset from the run's
+    base port can meet a port UCX's listeners took there)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _wait_ready(sock: socket.socket) -> int:
+    """Wait for the producer's go; returns the port its new agent listens on."""
+    message = b""
+    while len(message) < 1 + _PORT.size:
+        chunk = sock.recv(1 + _PORT.size - len(message))
+        if not chunk:
+            raise ConnectionError("the producer closed the control socket early")
+        message += chunk
+    if message[:1] != b"r":
+        raise ConnectionError(f"the producer sent {message!r} on the control socket, not a go")
+    return _PORT.unpack(message[1:])[0]
 
 
 def _first_then_warm(w, agent, remote, local_ids, remote_ids, options, it, phases, warm):
@@ -132,7 +149,6 @@ def fresh_pair(w, requests, tokens, iters, warmup, options):
 
     if len(requests) != 1 or not options.get("producer_host"):
         return {"skipped": "kvxfer-fresh-pair needs one producer rank and two hosts (--two-hosts)"}
-    remote = (options["producer_host"], options["port"] + _PRODUCER_PORT_OFFSET)
     local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
     config = _agent_config(options, options["port"] + _CONSUMER_PORT_OFFSET, options["consumer_host"])
     warm: list[float] = []
@@ -144,7 +160,7 @@ def fresh_pair(w, requests, tokens, iters, warmup, options):
         agent = Agent(f"{w.name}-fresh-{it}", w.cache.spec, config)
         try:
             agent.register(w.cache.tensors)
-            _wait_ready(sock)
+            remote = (options["producer_host"], _wait_ready(sock))
             return _first_then_warm(w, agent, remote, local_ids, remote_ids, options, it, phases, warm)
         finally:
             agent.close()
@@ -165,7 +181,6 @@ def restart(w, requests, tokens, iters, warmup, options):
 
     if len(requests) != 1 or not options.get("producer_host"):
         return {"skipped": "kvxfer-restart needs one producer rank and two hosts (--two-hosts)"}
-    remote = (options["producer_host"], options["port"] + _PRODUCER_PORT_OFFSET)
     local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
     config = _agent_config(options, options["port"] + _CONSUMER_PORT_OFFSET, options["consumer_host"])
     warm: list[float] = []
@@ -175,13 +190,14 @@ def restart(w, requests, tokens, iters, warmup, options):
     agent = Agent(f"{w.name}-restart", w.cache.spec, config)
     try:
         agent.register(w.cache.tensors)
-        _wait_ready(sock)
+        remote = (options["producer_host"], _wait_ready(sock))
         w.poison()
         _first_then_warm(w, agent, remote, local_ids, remote_ids, options, -1, [], [])
         sock.sendall(b"d")
 
         def body(it):
-            _wait_ready(sock)  # the producer's previous agent is closed, the new one listens
+            if _wait_ready(sock) != remote[1]:  # the producer's previous agent is closed, the new one listens
+                raise AssertionError("the restarted producer listens on another port")
             try:
                 return _first_then_warm(w, agent, remote, local_ids, remote_ids, options, it, phases, warm)
             finally:
