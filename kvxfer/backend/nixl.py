@@ -46,18 +46,8 @@ _LOCAL_AGENT = "NIXL_INIT_AGENT"
 _PROBE_BYTES = 64          # connect()'s first probe read: wires the endpoint up, never a cost
 _PROBE_LARGE_BYTES = 2 << 20  # its second (host memory): past UCX's large-message thresholds, ~2 ms over TCP
 _PROBE_POLL_S = 2e-4
-_PRIME_SETTLE_S = 0.01      # _prime: how long both workers are driven after connecting, and after removing
 log = logging.getLogger("kvxfer.backend")
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
-
-
-def _progress_both(a: Any, b: Any, seconds: float) -> None:
-    """Drive two NIXL agents' workers (``get_new_notifs`` progresses them) for ``seconds``."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        a.get_new_notifs()
-        b.get_new_notifs()
-        time.sleep(0)
 
 
 def load_nixl_api() -> Any:
@@ -137,8 +127,6 @@ class NixlBackend:
         progress_thread: NIXL's own progress thread (on by default, as in NIXL; it busy-polls,
             see ``AgentConfig.nixl_progress_thread``, whose default decides by the host's cores).
             Off, the caller's polls (``state``, ``notifications``) drive the transport.
-        prime: set up the transport's per-agent state for endpoints now (``_prime``), so the
-            first peer's handshake does not pay for it.
 
     Raises:
         ConfigError: a backend name this NIXL build does not offer (the message lists those it does),
@@ -150,7 +138,7 @@ class NixlBackend:
     """
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0,
-                 progress_thread: bool = True, prime: bool = True) -> None:
+                 progress_thread: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"agent name must be a non-empty str; got {name!r}")
         if isinstance(backends, str):
@@ -193,34 +181,6 @@ class NixlBackend:
         self._peers: set[str] = set()
         self._scratch: np.ndarray | None = None  # connect()'s probe lands here
         self._closed = False
-        if prime:
-            self._prime(api, config)
-
-    def _prime(self, api: Any, config: Any) -> None:
-        """Load a throwaway agent's metadata into this one and forget it again (best effort).
-
-        The first peer an agent loads costs far more than the next: UCX sets up its endpoint
-        machinery for the worker then (measured: 5-20 ms across two network namespaces, 9-75 ms
-        in one, against 0.4-2 ms for every later peer). Paid here, at start-up, it stays off a
-        first read's handshake. The throwaway agent lives in this process only for this call:
-        it has no memory registered and never carries a transfer. Runs in the constructor,
-        before any other thread can see this object.
-        """
-        spare = None
-        try:
-            spare = api.nixl_agent(f"{self.name}-prime", config)
-            for plugin in self.backends:
-                spare.create_backend(plugin, {})
-            peer = self._agent.add_remote_agent(spare.get_agent_metadata())
-            # let UCX's connection attempts end while the spare still answers (else UCX logs a
-            # refused connection for each when the spare is gone): progress both workers a moment
-            _progress_both(self._agent, spare, _PRIME_SETTLE_S)
-            self._agent.remove_remote_agent(peer.decode() if isinstance(peer, bytes) else str(peer))
-            _progress_both(self._agent, spare, _PRIME_SETTLE_S)
-        except Exception as exc:  # noqa: BLE001 - an optimisation: the first handshake pays instead
-            log.debug("NIXL agent %r: priming the transport failed: %s", self.name, exc)
-        finally:
-            del spare
 
     # ---- lifecycle -----------------------------------------------------------------
     def _check_open(self) -> None:
