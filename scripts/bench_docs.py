@@ -35,7 +35,11 @@ RATIOS = (("vs_memcpy", "/ memcpy"), ("vs_socket", "/ socket"), ("vs_peer-copy",
           ("vs_nixl-per-block", "/ nixl-per-block"), ("vs_mooncake-batch", "/ mooncake-batch"),
           ("vs_best_1desc", "/ best one read"))
 LINES = ("memcpy", "tcp-socket", "peer-copy")
-FIRST_CONTACT = ("kvxfer-first-read", "kvxfer-relink")
+FIRST_CONTACT = ("kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
+FIRST_CASES = {"kvxfer-fresh-pair": "fresh producer and consumer, no `connect()`",
+               "kvxfer-restart": "first read after the producer restarted",
+               "kvxfer-relink": "first read after a link cut",
+               "kvxfer-first-read": "new consumer, `connect()` first (the handshake not in the time)"}
 
 
 def _num(x: float, digits: int = 2) -> str:
@@ -103,20 +107,25 @@ def table(report: dict) -> str:
         if out:
             out.append("")
         out += ["| tokens | case | MiB | first read ms (median) | warm read ms (median) | first - warm ms "
-                "(median of pairs) | per iteration: first / warm ms | verified |",
-                "|---|---|---|---|---|---|---|---|"]
+                "(median of pairs) | per iteration: first / warm ms | first read's set-up ms (median) | verified |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in first:
             if "gbps" not in r:
                 out.append(f"| {_tokens(r)} | {r['method']} | {r['bytes'] / 2**20:,.0f} | - | - | - | "
-                           f"{r.get('skipped') or r.get('error', '?').strip().splitlines()[-1][:120]} | - |")
+                           f"{r.get('skipped') or r.get('error', '?').strip().splitlines()[-1][:120]} | - | - |")
                 continue
-            case = {"kvxfer-first-read": "new consumer (first iteration: new producer too)",
-                    "kvxfer-relink": "first read after a link cut"}[r["method"]]
-            out.append(f"| {_tokens(r)} | {case} (`{r['method']}`) | {r['bytes'] / 2**20:,.0f} | "
+            out.append(f"| {_tokens(r)} | {FIRST_CASES[r['method']]} (`{r['method']}`) | {r['bytes'] / 2**20:,.0f} | "
                        f"{_num(r['first_ms'], 1)} | {_num(r['warm_ms'], 1)} | **{r['gap_ms']:+.1f}** | "
-                       f"{_pairs(r)} | "
+                       f"{_pairs(r)} | {_setup(r)} | "
                        f"{_verified(r)} |")
     return "\n".join(out)
+
+
+def _setup(row: dict) -> str:
+    """The median of a first-contact row's first-read set-up (from the call to the post: the
+    handshake, claim and plan), where the row kept its phases; else "-"."""
+    values = sorted(p["setup"] for p in row.get("phases_ms") or [] if "setup" in p)
+    return _num(values[len(values) // 2], 1) if values else "-"
 
 
 def block(name: str, report: dict, plot_note: str) -> str:

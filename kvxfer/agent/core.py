@@ -296,7 +296,7 @@ class Agent:
         self._require_cache()
         host, port = address((host, port), "connect's (host, port)")
         flag(refresh, "refresh")
-        return self._peers.get(host, port, refresh=refresh)
+        return self._peers.get(host, port, refresh=refresh, ready=True)
 
     def read(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
              timeout: float | None = None) -> TransferHandle:

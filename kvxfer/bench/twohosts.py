@@ -9,7 +9,10 @@ environment once per process:
 
 * ``ucx-defaults``: ``KVXFER_UCX_DEFAULTS=0``, UCX's own TCP settings (kvxfer before issue 16);
 * ``kvxfer``: kvxfer's TCP defaults (``kvxfer.backend.ucx_env``), plus the raw TCP socket line
-  and the first read by a consumer the producer has never met (``kvxfer-first-read``).
+  and first contact (``FIRST_CONTACT``): a fresh producer and consumer pair whose first read
+  handshakes inside it (``kvxfer-fresh-pair``), the first read after the producer restarted
+  (``kvxfer-restart``; both in ``kvxfer.bench.firstcontact``), the first after a link cut
+  (``kvxfer-relink``) and a new consumer's first read after ``connect()`` (``kvxfer-first-read``).
 
 Every row carries ``setting``; ``vs_nixl_best`` is its GB/s over the best raw NIXL
 single-descriptor figure (``nixl-1desc``) of the same run and tokens, ``vs_socket`` over the
@@ -27,7 +30,7 @@ from kvxfer.bench.report import _tokens_cell, add_ratios
 from kvxfer.bench.run import BenchConfig, run_bench
 from kvxfer.errors import ConfigError
 
-__all__ = ["METHODS", "SETTINGS", "run_two_hosts", "table"]
+__all__ = ["FIRST_CONTACT", "METHODS", "SETTINGS", "run_two_hosts", "table"]
 
 #: (name, extra environment, methods) for each pass.
 SETTINGS = (
@@ -35,8 +38,11 @@ SETTINGS = (
      ("nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged")),
     ("kvxfer", {},
      ("tcp-socket", "nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent-direct",
-      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-first-read", "kvxfer-relink")),
+      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink",
+      "kvxfer-first-read")),
 )
+#: The methods whose rows compare a first read with a warm one (``first_ms``, ``warm_ms``, ``gap_ms``).
+FIRST_CONTACT = ("kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
 #: Every method a two-hosts run knows (``--methods`` naming another is refused).
 METHODS = tuple(dict.fromkeys(m for _, _, methods in SETTINGS for m in methods))
 
@@ -105,10 +111,12 @@ def table(report: dict) -> str:
                           "-", "-", "-", "-", why])
             continue
         notes = ""
-        if r["method"] in ("kvxfer-first-read", "kvxfer-relink"):
+        if r["method"] in FIRST_CONTACT:
             notes = (f"first {r['first_ms']:.1f} ms, warm {r['warm_ms']:.1f} ms, first - warm {r['gap_ms']:.1f} ms"
                      + (f", handshake {r['handshake_ms']:.1f} ms" if "handshake_ms" in r else "")
-                     + (f", fresh producer {r['fresh_ms']:.1f} ms" if r.get("fresh_ms") else ""))
+                     + (f", fresh producer {r['fresh_ms']:.1f} ms" if r.get("fresh_ms") else "")
+                     + (f", first read's set-up (handshake included) {_median_phase(r, 'setup'):.1f} ms"
+                        if r.get("phases_ms") else ""))
         elif r.get("modes"):
             notes = "path " + "/".join(r["modes"])
         lines.append([_tokens_cell(r), r["setting"], r["method"], f"{r['bytes'] / 2**20:.0f}",
@@ -120,3 +128,9 @@ def table(report: dict) -> str:
                       f"{r['verified']}/{r['verified'] + r['failed']}", notes])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in lines)
+
+
+def _median_phase(row: dict, phase: str) -> float:
+    """The median over a first-contact row's iterations of one first-read phase (ms)."""
+    values = sorted(p[phase] for p in row["phases_ms"])
+    return values[len(values) // 2]
