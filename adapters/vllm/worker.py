@@ -1,9 +1,11 @@
 """Worker side of KvxferConnector: one kvxfer Agent per worker (TP rank) that holds, reads and reports.
 
 Engine-thread calls stay short: holds and releases are local table updates; a step's loads are
-submitted together with ``Agent.read_many``, which returns at once and moves them on kvxfer's
-threads, one per producer (so a slow or frozen prefill instance delays only its own loads);
-aborts and producer releases go on the producer's lane too (``abort(wait=False)``).
+submitted together with ``Agent.read_many``, which returns at once (a known producer's loads are
+claimed from this thread without waiting on it; a new one's go to kvxfer's thread for that
+producer, so a slow or frozen prefill instance delays only its own loads); ``collect`` calls
+``Agent.poll()`` once per step, which posts the granted loads and completes the finished ones on
+vLLM's thread. Aborts and producer releases go on the producer's lane (``abort(wait=False)``).
 
 A failed load whose destination blocks kvxfer reports quarantined (its transfer is not confirmed
 ended) is not reported to vLLM until kvxfer reclaims those blocks (``finished().reclaimed``):
@@ -143,6 +145,10 @@ class KvxferWorker:
         out = _Reports()
         if self._agent is None:
             return out
+        # Once per step, on vLLM's own thread: the loads whose claim was answered are posted, and
+        # every transfer that ended completes here, so this step's report has it (no hand-over
+        # from kvxfer's threads), and the producer side's done notices are delivered.
+        self._agent.poll()
         fin = self._agent.finished()
         for _ in (fin.expired | fin.aborted) - self._ignored:  # ended without every decoder done
             self._stats.record_expired_req()
