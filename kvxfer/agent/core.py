@@ -16,8 +16,6 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from kvxfer.engine.paths.kit import PathKit
-from kvxfer.engine.paths.packing import PackServer
 from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
 from kvxfer.agent.claims import Claims
 from kvxfer.agent.heartbeats import send_keepalive, tell_abort
@@ -38,6 +36,7 @@ from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.config import AgentConfig, check_count, check_flag as flag, progress_thread_wanted
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.engine.leases import LeaseTable
+from kvxfer.engine.readpaths import ReadPaths
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.engine.transfers import TransferEngine
 from kvxfer.errors import (
@@ -112,9 +111,8 @@ class Agent:
                                     getattr(backend, "connect", None), channel=self._transport.channel,
                                     express=self.config.express_port is not None)
         self._claims = Claims(self._peers, self.engine_id, self.config.handshake_timeout, defer=self._defer)
-        self._kit: PathKit | None = None        # the IPC and staged paths (set by register)
+        self._paths: ReadPaths | None = None    # the transfer paths and the staged reads' packer (set by register)
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
-        self._packer: PackServer | None = None  # serves staged reads as a producer
         self._reads = ReadFlow(self)
         self._read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
         self._submit = Submissions(self)
@@ -159,8 +157,7 @@ class Agent:
             self._staging_buf.fill(0)  # fault the pages in now, not during the first transfer
             region = self._registry.register_buffer(self._staging_buf)
             staging, base = StagingAllocator(self.config.staging_bytes), region.addr
-        self._kit = PathKit(self._backend, self.config, self._view, clock=self._clock)
-        self._packer = PackServer(self._kit, self._view, self._leases, self.config.lease_timeout)
+        self._paths = ReadPaths(self._backend, self.config, self._view, self._leases, self._clock)
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
                                       staging_base=base, staging=staging, unpack=self._unpack,
                                       on_reclaimed=self._reports.reclaimed, completion_scope=self._done.hold,
@@ -557,12 +554,10 @@ class Agent:
             self._server.close()
         if self._engine is not None:
             self._engine.close()
-        if self._packer is not None:
-            self._packer.close()
         self._done.close()
         self._peers.close()
-        if self._kit is not None:
-            self._kit.close()
+        if self._paths is not None:
+            self._paths.close()
         self._registry.close()
         self._backend.close()
 
@@ -587,7 +582,7 @@ class Agent:
         info = make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
                               self._backend.metadata(), host, port, self.config.lease_timeout,
                               express_port=getattr(self._server, "express_port", 0))
-        return msgspec.structs.replace(info, **self._kit.peer_fields()) if self._kit is not None else info
+        return msgspec.structs.replace(info, **self._paths.peer_fields()) if self._paths is not None else info
 
     def _links_for(self, remote: tuple[str, int],
                    timeout: float | None = None) -> tuple[list[PeerLink], list[PeerLink]]:
@@ -614,8 +609,8 @@ class Agent:
         self._reports.read_done(handle)
 
     def _on_release(self, request_id: str, why: str) -> None:
-        if self._packer is not None:
-            self._packer.cancel(request_id, why)
+        if self._paths is not None:
+            self._paths.packer.cancel(request_id, why)
         self._reports.released(request_id, why)
 
     def _unpack(self, plan, staging_addr: int) -> None:

@@ -24,7 +24,7 @@ log = logging.getLogger("kvxfer.agent")
 
 def on_notification(agent: "Agent", peer: str, data: bytes) -> None:
     """One backend notification: a staged pipeline's message, or a request-done notice."""
-    if agent._kit is not None and agent._kit.router.deliver(peer, data):
+    if agent._paths is not None and agent._paths.deliver(peer, data):
         return  # a staged pipeline's message, routed to its transfer
     try:
         request_id, engine_id = decode_notification(data, agent.config.auth_key)
@@ -50,9 +50,9 @@ def drive_once(agent: "Agent") -> tuple[bool, int]:
         busy = moving == 2
         if moving or engine.in_flight():
             engine.progress()
-        if agent._kit.router.active():
+        if agent._paths.pipelines_active():
             busy = True  # pipelines wait on notifications: deliver them at once
-            agent._packer.reap()
+            agent._paths.packer.reap()
     for peer, data in agent._backend.notifications():
         on_notification(agent, peer, data)
     now = agent._clock.now()

@@ -1,27 +1,27 @@
-"""The consumer's reads, off the caller's thread: one producer's batch at a time (layer: agent).
+"""The consumer's reads after their checks: routed, claimed, started and settled (layer: agent; the engine launches and posts).
 
-``Agent.read`` and ``read_many`` check what they can alone (ids, request ids, quarantine),
-reserve each request in the engine (so its handle exists, counts as in flight and can be
-aborted) and queue it on the producer's lane (``PeerLanes``). On that lane, ``ReadFlow.run``
-takes everything queued for the producer at once:
+``Agent.read_many`` checks each read (ids, request ids, quarantine), reserves it in the engine
+(so its handle exists, counts as in flight and can be aborted) and hands each producer's share
+of the step to ``ReadFlow``, on one of two ways:
 
-1. the links to the producer's ranks (the handshake, for a new peer);
-2. each request's path and ids checked against the producer's spec (``plan_read``);
-3. every IPC request of the batch starts, in one kernel launch per rank;
-4. one claim message per rank for every request (``Claims.send_many``); staged requests send
-   their pack requests right behind it;
-5. the answers: a granted IPC request may now succeed once its kernel passed; a granted direct
-   request is posted now (one NIXL post each), a staged one starts its pipeline; a refused one
-   fails with ``LeaseExpiredError``, and an IPC request's destination blocks stay in flight
-   until its kernel has passed.
+* **Here, on the caller's thread** (``start_here``), when the producer is known (every link
+  handshaken, one rank to claim from) and nothing is queued on its lane: each read is routed
+  (``ReadPaths.plan``: its ids checked against the producer's cache; a read refused for its own
+  arguments fails now and sends nothing), the IPC reads are launched (one kernel launch per rank),
+  and the step's claim goes into the express lane's socket where that cannot wait
+  (``Claims.try_send_many``). What is left, the answer, the grant, the post, is done by whichever
+  thread polls one of the reads (``ReadStep.advance``: ``wait``, ``done``, ``Agent.poll``, the
+  progress thread), never by another hand-over.
+* **On the producer's lane** (``run``; ``PeerLanes``, one thread per producer instance) for the
+  rest: a new peer's handshake, several ranks, staged reads, a claim the socket had no room for.
+  The lane routes, claims (``_claim``), launches, and settles the answers (``_settle``).
 
-When every rank's link is already handshaken, steps 2 and 3 run on the caller's thread inside
-``read_many`` (``route_inline``, ``launch_inline``: no peer I/O, so the call still cannot block
-on a peer), for the whole step at once (one check over all of its ids, one route), and only then
-is the lane woken for step 4: the kernel runs while the lane wakes up and the claim travels.
-Waking the lane first would have it take turns on the interpreter with the launch. Once the
-kernel of a step has passed, polling any one of its granted reads completes all of them
-(``TransferEngine._poke``), and their ``Done`` notices go as one message per producer rank.
+Settling (``_settle``, either way): a granted direct read is posted, all of a step's to one rank
+in one backend transfer (``ReadPaths.direct_step``); a granted IPC read may complete once its
+kernel passed (polling one read of a launch completes all its granted reads,
+``TransferEngine._poke``); a staged read starts its pipeline; a refused one fails with
+``LeaseExpiredError``, and an IPC read's destination blocks stay in flight until its kernel has
+passed. A grant a read no longer wants goes back on the producer's lane (``Claims``).
 
 Why an IPC move may start before its grant, even before its claim leaves: the producer places
 its hold before it publishes the ids, and frees a request's blocks only after its hold ended; a
@@ -46,14 +46,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvxfer.engine.paths.jobs import IpcJob
-from kvxfer.engine.paths.reading import ReadRoute, plan_read
-from kvxfer.engine.posted import DirectJob
-from kvxfer.engine.shared import SharedJob
-from kvxfer.engine.transfers import Part
+from kvxfer.engine.readpaths import StepRead
 from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError, TransferTimeoutError
 from kvxfer.layout import notify_ranks, peer_ranks
-from kvxfer.types import Direction, TransferPath
+from kvxfer.types import TransferPath
 
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
@@ -78,7 +74,7 @@ class PendingRead:
     note: bytes
     started: float            # perf_counter at the call
     same_format: bool = False
-    route: ReadRoute | None = None
+    route: object = None                   # its ``ReadRoute`` once routed (``ReadPaths.plan``)
     sent: list | None = None              # the claim's pending answers (``Claims.send_many``)
     sent_error: KvxferError | None = None  # why the claim could not be sent
     claim_started: float = 0.0
@@ -129,17 +125,6 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-class _Joined:
-    """Several requests' descriptor rows to one producer rank, as one plan (``DirectJob`` posts it)."""
-
-    staging_bytes = 0
-
-    def __init__(self, plans: list) -> None:
-        self.local = np.concatenate([p.local for p in plans])
-        self.remote = np.concatenate([p.remote for p in plans])
-        self.num_bytes = sum(int(p.num_bytes) for p in plans)
-
-
 class ReadFlow:
     """Runs the reads queued for one producer (see the module doc). Owned by an ``Agent``."""
 
@@ -161,8 +146,7 @@ class ReadFlow:
         links = ready[0]
         live = [r for r in reads if r.live and r.route is None]
         try:
-            if agent._kit.vram and agent.config.transfer_path in ("auto", "ipc") \
-                    and all(agent._kit.ipc_why(link) is None for link in links):
+            if agent._paths.kernel_serves(links):
                 self._route_step(live, links)
             else:
                 for r in live:
@@ -212,9 +196,9 @@ class ReadFlow:
                 self._route(r, links)
             return
         try:
-            route = plan_read(agent._kit, agent.config.transfer_path, agent._require_cache(), links,
-                              np.concatenate([r.local for r in plain]), np.concatenate([r.remote_ids for r in plain]),
-                              plain[0].request_id, plain[0].note, agent.config.allow_conversion)
+            route = agent._paths.plan(links, np.concatenate([r.local for r in plain]),
+                                      np.concatenate([r.remote_ids for r in plain]), plain[0].request_id,
+                                      plain[0].note)
         except KvxferError:
             route = None
         local_block = agent.spec.block_size
@@ -290,8 +274,7 @@ class ReadFlow:
         try:
             if r.same_format:
                 _check_same_format(agent.spec, links)
-            r.route = plan_read(agent._kit, agent.config.transfer_path, agent._require_cache(), links,
-                                r.local, r.remote_ids, r.request_id, r.note, agent.config.allow_conversion)
+            r.route = agent._paths.plan(links, r.local, r.remote_ids, r.request_id, r.note)
             return True
         except KvxferError as exc:
             self._fail(r, exc)
@@ -329,92 +312,61 @@ class ReadFlow:
         if len(staged) == 1:
             r = staged[0]
             try:
-                r.route.send_packs(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
+                agent._paths.send_packs(r.route, r.timeout, self._time_left([r]))
             except KvxferError as exc:
                 self._fail(r, exc)
 
     def _launch_ipc(self, reads: list[PendingRead]) -> None:
-        """One pair-copy launch per producer rank for every IPC read of the batch, one event."""
+        """One pair-copy launch per producer rank for every IPC read of the batch, one event
+        (``ReadPaths.launch_ipc``); each read attaches its members of it."""
         if not reads:
             return
         agent, engine = self._agent, self._agent._engine
-        view = agent._require_cache()
         with engine.posting([r.req for r in reads]) as live_reqs:
             live = [r for r in reads if r.req in live_reqs]
             if not live:
                 return
             links = live[0].route.links
             try:
-                local = np.concatenate([r.local for r in live])
-                remote = np.concatenate([r.remote_ids for r in live])
-                copies = [agent._kit.direct_template(link, view).copy(remote, local) for link in links]
-                launches, event = agent._kit.launch_and_record(copies)
+                parts = agent._paths.launch_ipc(links, [StepRead(r.local, r.remote_ids, r.note) for r in live])
             except KvxferError as exc:
                 for r in live:
                     self._fail(r, exc)
                 return
-            total = sum(c.nbytes for c in copies)
-            shared = SharedJob(IpcJob(launches, event, total, len(copies)), members=len(live) * len(links))
-            tokens = np.array([r.local.size for r in live], dtype=np.float64)
             group = [r.req for r in live]
-            for r, share in zip(live, tokens / tokens.sum()):
-                parts = [Part(link.agent_name, None, link.view.geometry.kind, r.note,
-                              job=shared.member(int(round(c.nbytes * share)), 1))
-                         for link, c in zip(links, copies)]
-                for link, part in zip(links, parts):
+            for r, read_parts in zip(live, parts):
+                for link, part in zip(links, read_parts):
                     part.on_done = partial(agent._done.send, link, r.request_id)
                 r.launched = r.route
-                self._attach(r, parts, started=True, group=group)
+                self._attach(r, read_parts, started=True, group=group)
 
     def _post_direct_many(self, reads: list[PendingRead]) -> None:
         """Post granted direct reads: each producer rank's share of all of them in one backend
-        transfer (one NIXL post for the batch), each read owning a member of it; a read that goes
-        through the host staging buffer (a layout change) is posted on its own."""
+        transfer (``ReadPaths.direct_step``), each read owning a member of it; a read that goes
+        through the host staging buffer (a layout change) or in chunks is posted on its own."""
         agent = self._agent
-        engine, view = agent._engine, agent._require_cache()
         alone = [r for r in reads
                  if r.route.chunked or any(c.staging_bytes for chunks in r.route.requests for c in chunks)]
-        for r in alone:  # chunked, or host-staged through the staging buffer: one post each
+        for r in alone:
             self._post_direct(r)
         reads = [r for r in reads if r not in alone]
-        with engine.posting([r.req for r in reads]) as live_reqs:
+        with agent._engine.posting([r.req for r in reads]) as live_reqs:
             live = [r for r in reads if r.req in live_reqs]
-            parts = {id(r): r.route.start(agent._kit, view, r.timeout, 0.0) for r in live}
-            by_peer: dict[str, list] = {}
-            for r in live:
-                for part in parts[id(r)]:
-                    by_peer.setdefault(part.peer, []).append((r, part))
-            failed: dict[int, KvxferError] = {}
-            for peer, members in by_peer.items():
-                if len(members) == 1:  # a lone read: its own post, its notification inside the transfer
-                    continue
-                try:
-                    job = DirectJob(agent._backend, Direction.READ, _Joined([p.plan for _, p in members]),
-                                    view.geometry.kind, peer, members[0][1].remote_kind, b"",
-                                    f"a batch of {len(members)} reads")
-                except KvxferError as exc:
-                    for r, _ in members:
-                        failed[id(r)] = exc
-                    continue
-                shared = SharedJob(job, members=len(members))
-                for _, part in members:  # the completion notice goes per read, once it is known good
-                    part.job = shared.member(int(part.plan.num_bytes), int(part.plan.local.shape[0]))
-                    part.on_done = partial(agent._backend.notify, peer, part.notification)
-                    part.notification = b""
-            for r in live:
-                if id(r) in failed:
-                    self._fail(r, failed[id(r)])
+            parts, failed = agent._paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
+                                                     for r in live])
+            for i, (r, read_parts) in enumerate(zip(live, parts)):
+                if i in failed:
+                    self._fail(r, failed[i])
                     agent._claims.give_back(r.request_id)  # on the producer's lane, after the failure
-                    # its other parts, if any, were posted: attach them so the read ends only with them
+                # a failed read's parts to other ranks, if posted, are attached: it ends only with them;
                 # lone parts (no job yet) are posted by the engine here, with their notification
-                self._attach(r, [p for p in parts[id(r)] if p.job is not None or id(r) not in failed],
-                             started=True)
+                self._attach(r, read_parts, started=True)
         agent._wake.set()
 
     def _post_direct(self, r: PendingRead) -> None:
         """Post a granted direct read (its NIXL transfer carries the completion notification)."""
         agent = self._agent
-        parts = r.route.start(agent._kit, agent._require_cache(), r.timeout, 0.0)
+        parts = agent._paths.start(r.route, r.timeout, 0.0)
         with agent._engine.posting([r.req]):
             if not self._attach(r, parts, started=False):
                 agent._claims.give_back(r.request_id)  # not posted (failed meanwhile): no read comes
@@ -448,13 +400,13 @@ class ReadFlow:
                 claims.answers(r.request_id, r.sent)
             except KvxferError as exc:
                 if staged:
-                    r.route.drop_packs(agent._kit)
+                    agent._paths.drop_packs(r.route)
                 self._fail(r, exc)
                 continue
             claimed = time.perf_counter() - r.claim_started
             if not r.live:  # failed (routing, abort, deadline) meanwhile: the grant is not wanted
                 if staged:
-                    r.route.drop_packs(agent._kit)
+                    agent._paths.drop_packs(r.route)
                 claims.give_back(r.request_id)
                 continue
             if r.route.mode is TransferPath.DIRECT:
@@ -496,7 +448,7 @@ class ReadFlow:
                 previous.req.handle.wait(left)
             except KvxferError:
                 pass  # it failed or is still running: either way this one waited its turn
-        return r.route.start(agent._kit, agent._require_cache(), r.timeout, self._time_left([r]))
+        return agent._paths.start(r.route, r.timeout, self._time_left([r]))
 
     # ---- helpers -----------------------------------------------------------------
     def _fail(self, r: PendingRead, exc: KvxferError) -> None:

@@ -152,7 +152,8 @@ class ProducerService:
                                                    error=message.error)
             return Ack() if why is None else Refuse(message.request_id, why)
         if isinstance(message, PackRequest):
-            packer = self._agent._packer
+            paths = self._agent._paths
+            packer = paths.packer if paths is not None else None
             if packer is None or peer is None:
                 return Refuse(message.request_id, "producer-side packing is not enabled on this agent")
             return packer.handle(message, peer)  # typed errors for hostile input become a Reject

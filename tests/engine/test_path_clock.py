@@ -19,7 +19,7 @@ def test_a_kit_keeps_the_clock_it_is_given_and_defaults_to_the_real_one(harness)
         assert kit.clock is clock
     finally:
         kit.close()
-    assert isinstance(agent._kit.clock, MonotonicClock)
+    assert isinstance(agent._paths.kit.clock, MonotonicClock)
 
 
 def test_the_slot_wait_gives_up_when_the_kits_clock_passes_the_deadline(harness):

@@ -37,7 +37,7 @@ def _producer(cmd, out, spec_kwargs: dict, seed: int, port: int, holds: dict, cf
         agent.listen()
         serve_commands(agent, holds, cmd, out, timeout=120,
                        # staged reads being served, staging slots in use
-                       extra={"serving": lambda a: (a._packer.serving(), a._kit.slots_in_use)})
+                       extra={"serving": lambda a: (a._paths.packer.serving(), a._paths.kit.slots_in_use)})
 
 
 def spec_kwargs(spec: KVSpec) -> dict:

@@ -41,7 +41,7 @@ def test_staged_read_fragmented_ids_is_byte_exact_and_releases(producers, p_layo
         _check(cspec, cache, cache0, c_ids, [(pspec, cache_for(pspec, 1))], p_ids)
         assert poll(lambda: prod.ask("finished")[0], ["r1"]) == ["r1"]   # the lease ended as "sent"
         assert poll(lambda: prod.ask("serving"), (0, 0)) == (0, 0)       # no job, no slot left
-        assert cons._kit.slots_in_use == 0 and cons._kit.router.active() == 0
+        assert cons._paths.kit.slots_in_use == 0 and cons._paths.kit.router.active() == 0
         assert cons.finished().received == {"r1"}
 
 
@@ -101,7 +101,7 @@ def test_consumer_abort_mid_transfer_releases_hold_and_slots(producers):
         assert prod.ask("holding") == []
         assert poll(lambda: prod.ask("serving"), (0, 0)) == (0, 0)   # serving job stopped, slots freed
         assert poll(lambda: prod.ask("finished")[2], ["r"]) == ["r"]   # aborted
-        assert cons._kit.slots_in_use == 0 and cons._kit.router.active() == 0
+        assert cons._paths.kit.slots_in_use == 0 and cons._paths.kit.router.active() == 0
 
 
 def test_producer_killed_mid_transfer_fails_the_read_within_its_deadline(producers):
@@ -111,7 +111,7 @@ def test_producer_killed_mid_transfer_fails_the_read_within_its_deadline(produce
         with pytest.raises((PeerLostError, TransferTimeoutError)) as info:
             handle.wait(60)   # generous: the transfer's own 4 s deadline must end it first
         assert "deadline passed" in str(info.value) or isinstance(info.value, PeerLostError)
-        assert poll(lambda: cons._kit.slots_in_use, 0) == 0
+        assert poll(lambda: cons._paths.kit.slots_in_use, 0) == 0
         assert cons.finished().failed.keys() == {"r"}
 
 
@@ -202,7 +202,7 @@ def test_a_refused_claim_leaves_no_pack_behind(producers):
         with pytest.raises(LeaseExpiredError):
             cons.read(prod.address, [0, 1], [1, 2], "not-held").wait(30)
         assert prod.ask("serving") == (0, 0) and prod.ask("holding") == ["r"]
-        assert cons._kit.slots_in_use == 0 and cons._kit.router.active() == 0
+        assert cons._paths.kit.slots_in_use == 0 and cons._paths.kit.router.active() == 0
 
 
 def test_forcing_staged_against_a_producer_without_staging_names_why(producers):
