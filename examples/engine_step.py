@@ -7,7 +7,10 @@ call, which returns at once: kvxfer claims each producer's four requests with on
 moves them on its own thread per producer. One request was never held by its producer: only
 that one fails (``LeaseExpiredError``), the other seven land exactly. Then one prefill instance
 is frozen (SIGSTOP) and the step is repeated: the healthy instance's reads finish as before,
-the frozen one's fail typed within their timeout.
+the frozen one's fail typed within their timeout. Last, the decode side runs like an engine's
+step loop: a slice of its own work, then ``Agent.poll()`` once (the claims' answers, the posts
+and the completions happen there, on its own thread), then a look at its handles and at
+``finished()``; it never waits on a handle.
 """
 
 import multiprocessing as mp
@@ -41,6 +44,8 @@ def prefill(index: int, ready, stop) -> None:
         for i in range(8):
             if (index, i) != (1, 3):  # request 3 of instance 1 is never held: its claim is refused
                 agent.hold(f"p{index}-r{i}", src_blocks(i))
+        for i in range(4):  # the engine loop's loads (step 3)
+            agent.hold(f"p{index}-s{i}", [32 + 2 * i, 33 + 2 * i])
         ready.set()
         stop.wait(120)
 
@@ -102,6 +107,24 @@ def main() -> None:
             assert healthy < 1.0 and failed == 4
         finally:
             os.kill(procs[1].pid, signal.SIGCONT)
+        # Step 3: an engine's step loop. Loads go out with read_many; each step runs the engine's
+        # own work, then one poll(); the handles and finished() are only looked at, never waited on.
+        requests = [ReadRequest(("127.0.0.1", PORTS[0]), [20 + 2 * i, 21 + 2 * i], [32 + 2 * i, 33 + 2 * i],
+                                f"p0-s{i}", timeout=10) for i in range(4)]
+        pending = dict(zip((r.request_id for r in requests), agent.read_many(requests)))
+        received: set[str] = set()
+        steps = 0
+        while pending and steps < 5000:
+            steps += 1
+            time.sleep(0.004)                      # the engine's own work for this step
+            agent.poll()                           # moves every transfer on, on this thread
+            received |= agent.finished().received  # one reader drains the reports
+            pending = {rid: h for rid, h in pending.items() if not h.done()}
+        assert not pending and received >= {r.request_id for r in requests}, (pending, received)
+        for r in requests:
+            for layer in range(SPEC.num_layers):
+                assert np.array_equal(cache[layer][:, r.local_blocks], sources[0][layer][:, r.remote_blocks])
+        print(f"engine loop: 4 reads done and byte-exact after {steps} step(s) of 4 ms, polled once per step")
     stop.set()
     for p in procs:
         p.join(30)
