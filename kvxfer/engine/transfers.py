@@ -34,7 +34,9 @@ import numpy as np
 
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
+from kvxfer.engine import lifecycle
 from kvxfer.engine.handles import TransferHandle, TransferStats
+from kvxfer.engine.lifecycle import Event, Phase
 from kvxfer.engine.posted import DirectJob, HostStagedJob, StagingBuffer
 from kvxfer.engine.staging import StagingAllocator
 from kvxfer.errors import (
@@ -111,11 +113,9 @@ class _Request:
     mode: str
     blocks: np.ndarray                      # the local blocks this request writes (READ) or reads
     on_success: Callable[[], None] | None = None
-    finished: bool = False                  # the handle has completed
-    error: KvxferError | None = None        # set once the request failed: it is draining
+    phase: Phase = Phase.GRANTED            # where it stands (``kvxfer.engine.lifecycle``: the one table)
+    error: KvxferError | None = None        # why it failed (set with the move to DRAINING)
     drain_until: float = 0.0
-    posted: bool = False                    # its parts are attached (``attach``); before that it waits
-    granted: bool = True                    # its producers granted the claim (``grant``); success waits for it
     all_done_at: float | None = None        # engine-clock time every part was first seen done
     group: list | None = None               # the requests sharing its job (one launch for a step)
     self_moving: bool = False               # every part moves its own bytes (a kernel, a pipeline)
@@ -130,6 +130,27 @@ class _Request:
 
     def __post_init__(self) -> None:
         self.stats = TransferStats(self.handle.request_id, mode=self.mode)
+
+    # The phase read three ways, for the checks that need only one question answered.
+    @property
+    def finished(self) -> bool:
+        """The handle has completed (succeeded, failed or quarantined)."""
+        return self.phase in lifecycle.ENDED
+
+    @property
+    def granted(self) -> bool:
+        """Its producers granted it (``grant``); success waits for that."""
+        return self.phase in lifecycle.GRANTED
+
+    @property
+    def posted(self) -> bool:
+        """Its parts are attached and it may still succeed: polling it may complete it."""
+        return self.phase in lifecycle.ATTACHED
+
+    def move(self, event: Event) -> Phase:
+        """Apply ``event`` (the caller holds the engine's or the request's lock)."""
+        self.phase = lifecycle.advance(self.phase, event)
+        return self.phase
 
     def count_parts(self) -> None:
         self.stats.num_bytes = sum(int(p.job.num_bytes if p.job else p.plan.num_bytes) for p in self.parts)
@@ -253,7 +274,7 @@ class TransferEngine:
         for request_id, deadline, blocks in items:
             ids = _EMPTY if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
             reqs.append(_Request(TransferHandle(request_id), direction, [], deadline, now, "direct", ids,
-                                 granted=granted))
+                                 phase=Phase.GRANTED if granted else Phase.RESERVED))
         with self._lock:
             seen: set[str] = set()
             for req in reqs:
@@ -308,12 +329,13 @@ class TransferEngine:
                 error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
                 self._fail(req, error)
                 self._end_parts(req, wait=True)
-                req.posted = True
+                req.move(Event.ATTACH)
                 return False
-            req.posted = True
             req.self_moving = bool(req.parts) and all(getattr(p.job, "moves_itself", False) for p in req.parts)
-            if not req.parts and req.error is None and req.granted:
-                self._succeed(req)
+            with self._lock:
+                req.move(Event.ATTACH)
+            if not req.parts and req.error is None:  # nothing to move: landed at once
+                self._landed(req)
         if req.granted:
             req.handle._nudge()  # a waiter may poll it now (not before its grant: nothing to poll)
         return True
@@ -322,9 +344,14 @@ class TransferEngine:
         """The request's producers granted its claim: it may succeed once its parts are done."""
         with req.lock:
             req.stats.claim_seconds = claim_seconds
-            req.granted = True
-            if req.posted and not req.parts and req.error is None:
-                self._succeed(req)
+            with self._lock:
+                if not lifecycle.live(req.phase):
+                    return  # failed (or ended) meanwhile: the grant is not wanted
+                landed = req.phase is Phase.MOVED
+                if not landed:
+                    req.move(Event.GRANT)
+            if landed:
+                self._succeed(req, Event.GRANT)  # its bytes were in already: the grant completes it
         if req.posted:
             req.handle._nudge()  # a waiter may poll it now (not before its post: nothing to poll)
 
@@ -403,6 +430,7 @@ class TransferEngine:
                     with self._lock:
                         if self._quarantine.pop(req.handle.request_id, None) is None:
                             continue
+                        req.move(Event.RECLAIM)
                     self._on_reclaimed(req.handle.request_id)
         finally:
             self._sweeping.release()
@@ -496,8 +524,8 @@ class TransferEngine:
         for req in requests:
             if req.advance is not None and not req.granted and not req.finished:
                 level = max(level, 1)  # a claim's answer to take: look again soon
-            if not req.posted or _watched(req, groups):
-                continue
+            if not req.parts or req.finished or _watched(req, groups):
+                continue  # nothing attached yet (or any more) to poll
             for part in req.parts:
                 if getattr(part.job, "moves_itself", False):
                     level = 1
@@ -517,9 +545,9 @@ class TransferEngine:
                 raise TransferTimeoutError(
                     f"request {req.handle.request_id!r} completed {req.all_done_at - req.deadline:.3f} s after "
                     "its window closed; the producer may have reused its blocks meanwhile")
-            if req.granted:  # the bytes may have landed before the grant: success only after it
-                self._succeed(req)
-            elif req.deadline is not None and seen >= req.deadline:
+            if req.phase is not Phase.MOVED:
+                self._landed(req)  # the bytes may have landed before the grant: success only after it
+            if req.phase is Phase.MOVED and req.deadline is not None and seen >= req.deadline:
                 raise TransferTimeoutError(
                     f"request {req.handle.request_id!r}: its producers had not granted the claim when its "
                     "deadline passed")
@@ -529,11 +557,25 @@ class TransferEngine:
                 f"{len(req.parts)} parts complete when its deadline passed"
             )
 
-    def _succeed(self, req: _Request) -> None:
+    def _landed(self, req: _Request) -> None:
+        """Every part of ``req`` is done inside its window: it succeeds now if granted, else it
+        waits for its grant (MOVED)."""
         with self._lock:
-            if req.finished or req.error is not None:
+            if not lifecycle.live(req.phase):
                 return
-            req.finished = True
+            granted = req.phase is Phase.CLEARED
+            if not granted:
+                req.move(Event.LANDED)
+        if granted:
+            self._succeed(req, Event.LANDED)
+
+    def _succeed(self, req: _Request, event: Event) -> None:
+        """``req`` moves to DONE by ``event`` (CLEARED landed, or MOVED granted) and its handle
+        completes here: notices, ``on_success``, then the handle's callbacks."""
+        with self._lock:
+            if not lifecycle.live(req.phase):
+                return
+            req.move(event)
             self._requests.pop(req.handle.request_id, None)
         req.stats.seconds = time.perf_counter() - req.started
         for part in req.parts:  # completion notices go only once the read is known good
@@ -548,8 +590,9 @@ class TransferEngine:
     def _fail(self, req: _Request, error: KvxferError) -> bool:
         """Mark ``req`` failed; it drains from the next progress step. False if it already ended."""
         with self._lock:
-            if req.finished or req.error is not None:
+            if not lifecycle.live(req.phase):
                 return False
+            req.move(Event.FAIL)
             req.error = error
             now = self._clock.now()
             req.drain_until = max(now, req.deadline if req.deadline is not None else now) + self._grace
@@ -565,7 +608,7 @@ class TransferEngine:
             self._requests.pop(req.handle.request_id, None)
             if req.finished:
                 return
-            req.finished = True
+            req.move(Event.ENDED if ended else Event.GIVE_UP)
             if not ended:
                 self._quarantine[req.handle.request_id] = req
         error = req.error
