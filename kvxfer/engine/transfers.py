@@ -10,6 +10,9 @@ soon as one fails, it is cancelled, or its deadline passes. When a job that move
 itself finishes, the engine sends the part's notification to the peer, as a backend transfer
 does on completion.
 
+A request's phase (waiting for its grant, its parts, its bytes; draining; ended) follows the one
+table in ``kvxfer.engine.lifecycle``; every change of phase here goes through it.
+
 Ownership of the destination (docs/reliability.md): a request's jobs are let go only once
 each confirms that nothing it started can write any more (a backend transfer: DONE or FAILED;
 releasing a pending one does not stop bytes arriving over every transport, UCX over TCP keeps
