@@ -111,7 +111,7 @@ class KvxferScheduler:
                              remote_block=remote.block_size)
         self._orders.loads.append(LoadOrder(
             request.request_id, remote.request_id, remote.host, remote.port,
-            blocks.local, blocks.remote, remote.tp_size))
+            blocks.local, blocks.remote, remote.tp_size, blocks.num_tokens))
         self._loading.add(request.request_id)
 
     # ---- every step ------------------------------------------------------------------
