@@ -169,3 +169,37 @@ def test_partial_read_between_head_packed_caches(data, bs, tp, mode):
     assert np.array_equal(got[:, :, :n], want[:, :, :n])
     allowed = _token_mask(lview, larena, lb, plan.heads, n)
     assert np.array_equal(larena.buf[~allowed], before[~allowed])
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), bs_l=st.sampled_from([2, 4, 8]), ratio=st.sampled_from([1, 2, 4]), up=st.booleans())
+def test_a_partial_read_cut_into_staging_chunks_moves_the_same_bytes(data, bs_l, ratio, up):
+    """``chunk_request`` (host staging smaller than the request) cuts a partial read at whole units
+    and ends its last chunk at token ``num_tokens``: the chunks together move what the whole does."""
+    from kvxfer.engine.paths.reading import chunk_request
+
+    bs_r = bs_l * ratio if up else max(1, bs_l // ratio)
+    unit = max(bs_l, bs_r)
+    n = data.draw(st.integers(unit + 1, 5 * unit - 1).filter(lambda t: t % unit))
+    common = dict(num_layers=2, num_kv_heads=2, head_dim=2, dtype="float16", model="m")
+    lspec = KVSpec(block_size=bs_l, num_blocks=_blocks(n, bs_l) + 2, layout="NHD", **common)
+    rspec = KVSpec(block_size=bs_r, num_blocks=_blocks(n, bs_r) + 2, layout="HND", **common)
+    lview, larena = place_cache(lspec)
+    rview, rarena = place_cache(rspec, arena_base=0x4000_0000)
+    fill_pattern(lview, larena, seed=1)
+    fill_pattern(rview, rarena, seed=2)
+    before = larena.buf.copy()
+    lb = _ids(data.draw, lspec.num_blocks, _blocks(n, bs_l))
+    rb = _ids(data.draw, rspec.num_blocks, _blocks(n, bs_r))
+    plan = build_plan(lview, rview, mode="staged")
+    whole = plan.for_request(lb, rb, num_tokens=n)
+    per_unit = plan.for_request(lb[:unit // bs_l], rb[:unit // bs_r]).staging_bytes   # one whole unit
+    chunks = chunk_request(plan, whole, lb, rb, per_unit, num_tokens=n)
+    assert len(chunks) == _blocks(n, unit)
+    assert sum(c.num_bytes for c in chunks) == whole.num_bytes
+    for c in chunks:
+        execute(plan, c, larena, rarena)
+    got, want = logical_kv(lview, larena, lb), logical_kv(rview, rarena, rb)
+    assert np.array_equal(got[:, :, :n], want[:, :, :n])
+    allowed = _token_mask(lview, larena, lb, plan.heads, n)
+    assert np.array_equal(larena.buf[~allowed], before[~allowed])
