@@ -332,8 +332,9 @@ class Agent:
         with at most its last block partial), ClosedError, RegistrationError (no cache registered).
 
         On the handle: PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError (remote ids
-        past the producer's cache, or a remote list that does not fit ``num_tokens``), LeaseExpiredError (the producer no longer holds the request),
-        TransferTimeoutError, TransferFailedError. A read may start moving bytes while its claim
+        past the producer's cache, or a remote list that does not fit ``num_tokens``),
+        LeaseExpiredError (the producer no longer holds the request), TransferTimeoutError,
+        TransferFailedError. A read may start moving bytes while its claim
         travels (IPC and direct paths): when the claim is refused, only this read's own
         destination ``local_blocks`` may have been written, and they stay in flight (or
         quarantined) until that move has ended.
