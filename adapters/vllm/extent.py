@@ -7,6 +7,11 @@ producer holds blocks for exactly its prompt. The load starts where the local pr
 prompt token moves, the last block of each side possibly partial. Where the two sides' lists
 then cover different tokens, the load names its token count (kvxfer's ``num_tokens``), so
 exactly those tokens move and nothing past them lands in the decode's last block.
+
+Such partial reads move by descriptors, which a GPU cache takes only where the layouts match in
+plain byte ranges; a decode whose cache is on a GPU (``partial=False``) therefore loads whole
+units of the larger block size, as before, and computes the tokens after the last one (fewer
+than one unit) itself: the answer is the same, only less of it is moved.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def tokens_to_load(*, computed: int, available: int, local_block: int, remote_block: int | None,
-                   remote_blocks: int) -> int:
+                   remote_blocks: int, partial: bool = True) -> int:
     """Prompt tokens to load after the ``computed`` ones the decode has locally (0: none).
 
     Args:
@@ -28,6 +33,9 @@ def tokens_to_load(*, computed: int, available: int, local_block: int, remote_bl
         local_block, remote_block: tokens per block here and at the producer (None: the producer
             did not say; taken as ``local_block``, the old contract).
         remote_blocks: how many blocks the producer holds for the request.
+        partial: loads may end inside a block on both sides (see the module doc); False: only
+            whole units of the larger block size, or a tail whose partial blocks cover the same
+            tokens on both sides.
     """
     remote_block = remote_block or local_block
     end = min(available, remote_blocks * remote_block)
@@ -37,7 +45,12 @@ def tokens_to_load(*, computed: int, available: int, local_block: int, remote_bl
     small, big = sorted((local_block, remote_block))
     if big % small or computed % remote_block:
         return 0  # the block sizes do not pair, or the load would start inside a producer block
-    return count
+    if partial or small == big:
+        return count
+    whole, tail = divmod(count, big)
+    if tail and _blocks(tail, small) * small == big:
+        return count   # the partial last blocks cover the same tokens on both sides
+    return whole * big
 
 
 @dataclass(frozen=True)

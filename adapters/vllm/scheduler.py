@@ -79,7 +79,8 @@ class KvxferScheduler:
         count = tokens_to_load(computed=num_computed_tokens,
                                available=remote.tokens_available(request.num_prompt_tokens),
                                local_block=self._block_size, remote_block=remote.block_size,
-                               remote_blocks=len(remote.block_ids))
+                               remote_blocks=len(remote.block_ids),
+                               partial=self._settings.buffer_device == "cpu")
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

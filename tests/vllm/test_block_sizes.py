@@ -33,6 +33,24 @@ def test_tokens_to_load(computed, available, local, remote, want):
                           if remote else None, remote_blocks=_blocks(available, size)) == want
 
 
+@pytest.mark.parametrize("computed, available, local, remote, want", [
+    (0, 600, 32, 32, 600),     # same blocks: every token
+    (0, 600, 128, 16, 512),    # 4 whole units; the last 88 tokens are computed here
+    (0, 120, 128, 16, 120),    # the partial blocks cover 128 tokens on both sides: all moved
+    (0, 3, 128, 16, 0),        # 1 producer block cannot fill a 128-token block
+    (128, 600, 32, 128, 384),  # local prefix of 128 tokens: the rest, in whole units
+])
+def test_a_gpu_cache_loads_whole_units(computed, available, local, remote, want):
+    """``partial=False`` (the decode's cache on a GPU): whole units of the larger block size."""
+    assert tokens_to_load(computed=computed, available=available, local_block=local, remote_block=remote,
+                          remote_blocks=_blocks(available, remote), partial=False) == want
+    if want:
+        got = load_blocks(computed=computed, count=want, fresh=tuple(range(100, 100 + _blocks(want, local))),
+                          remote_ids=tuple(range(_blocks(available, remote))), local_block=local,
+                          remote_block=remote)
+        assert len(got.local) * local == len(got.remote) * remote and got.num_tokens is None
+
+
 @pytest.mark.parametrize("local, remote", [(128, 16), (16, 128), (32, 128), (128, 32), (32, 32), (64, 16)])
 def test_every_load_moves_every_token_after_the_prefix(local, remote):
     for available in range(1, 700):
