@@ -220,7 +220,9 @@ class ReadRequest:
     and ``remote_blocks``: block ids (any integer sequence or array); ``timeout``: seconds for
     the whole read, None for ``AgentConfig.transfer_timeout``; ``same_format``: refuse the read
     (``LayoutError`` on its handle) unless the producer's layout, storage and block size equal
-    this agent's, for engines whose cache cannot take a converted layout.
+    this agent's, for engines whose cache cannot take a converted layout; ``num_tokens``: the
+    tokens the read moves, each list's last block possibly partial (see ``Agent.read``), None
+    for every token of both lists (which must then cover the same tokens).
     """
 
     remote: tuple
@@ -229,3 +231,4 @@ class ReadRequest:
     request_id: str
     timeout: float | None = None
     same_format: bool = False
+    num_tokens: int | None = None

@@ -55,17 +55,23 @@ class Landed:
 
 
 def read_extent(remote: RemotePrefill, prompt_len: int, peer_block: int,
-                local_block: int) -> tuple[int, list[int], int]:
+                local_block: int, partial: bool = True) -> tuple[int, list[int], int]:
     """What a decode reads: (prompt tokens whose KV it uses, remote block ids, local blocks to land them in).
 
     At least the last prompt token is left to compute here (its logits give the first token, as
-    vLLM's decoder recomputes it). kvxfer moves whole units of ``lcm`` of the two block sizes,
-    so the read covers the used tokens rounded up to a unit, or down where the producer's
-    blocks end first (the tokens past it are computed here).
+    vLLM's decoder recomputes it). Every other token the producer holds is read, each side's
+    last block possibly partial: ``ceil(tokens / block size)`` blocks a side (``Transfers.load``
+    names the token count to kvxfer where the two lists cover different tokens).
+
+    ``partial=False`` (a pool on a GPU, where such partial reads need plain byte ranges): whole
+    units of ``lcm`` of the two block sizes only, the used tokens rounded up to a unit, or down
+    where the producer's blocks end first (the tokens past it are computed here).
     """
-    unit = math.lcm(local_block, peer_block)
     held = min(remote.tokens_available(prompt_len), len(remote.block_ids) * peer_block)
     tokens = max(0, min(held, prompt_len - 1))
+    if partial:
+        return tokens, list(remote.block_ids[:-(-tokens // peer_block)]), -(-tokens // local_block)
+    unit = math.lcm(local_block, peer_block)
     covered = -(-tokens // unit) * unit
     if covered > len(remote.block_ids) * peer_block:
         covered = tokens // unit * unit
@@ -148,7 +154,7 @@ class Transfers:
 
     # ---- consumer --------------------------------------------------------------------
     def load(self, remote: RemotePrefill, prompt_len: int, timeout: float) -> Landed:
-        """Read the producer's KV for as much of the prompt as whole blocks on both sides allow,
+        """Read the producer's KV for every prompt token it holds (partial last blocks included),
         leaving at least the last prompt token to be computed here (its logits start decoding,
         as vLLM's decoder does).
 
@@ -166,13 +172,16 @@ class Transfers:
                     f"{self._pool.block_size}: the producer does not say how it orders K inside a block (vLLM's "
                     f"AMX CPU kernel tiles it), so only a pool in the same format can read it (run kvxfer-hf with "
                     f"--kv-layout vllm-cpu --block-size {peer.block_size}, and the same kernel on both sides)")
-            tokens, remote_ids, local_count = read_extent(remote, prompt_len, peer.block_size, self._pool.block_size)
+            on_cpu = self._pool.tensors[0].device.type == "cpu"
+            tokens, remote_ids, local_count = read_extent(remote, prompt_len, peer.block_size, self._pool.block_size,
+                                                          partial=on_cpu)
             if tokens == 0:
                 self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
                 return Landed([], 0)
             landing = self._pool.allocate(local_count, timeout=timeout)
-            handle = self._agent.read((remote.host, remote.port), landing, remote_ids,
-                                      remote.request_id, timeout=timeout)
+            partial = local_count * self._pool.block_size != len(remote_ids) * peer.block_size
+            handle = self._agent.read((remote.host, remote.port), landing, remote_ids, remote.request_id,
+                                      timeout=timeout, num_tokens=tokens if partial else None)
         except KvxferError as exc:  # raised before anything was posted: the landing blocks are clean
             self._pool.free(landing)
             raise LoadFailed(f"load of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc

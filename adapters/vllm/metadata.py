@@ -12,7 +12,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass(frozen=True)
 class LoadOrder:
-    """Pull ``remote_blocks`` of the producer's ``remote_request_id`` into ``local_blocks`` (same order)."""
+    """Pull ``remote_blocks`` of the producer's ``remote_request_id`` into ``local_blocks`` (same order).
+
+    ``num_tokens``: the tokens the load moves where the two lists' last blocks are partial and
+    cover different tokens (blocks of another size at the producer); None: both lists cover the
+    same tokens and move whole."""
 
     request_id: str                 # this (decode) instance's request id
     remote_request_id: str
@@ -21,6 +25,7 @@ class LoadOrder:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     remote_tp_size: int = 1
+    num_tokens: int | None = None
 
 
 @dataclass(frozen=True)

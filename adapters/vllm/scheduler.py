@@ -79,7 +79,8 @@ class KvxferScheduler:
         count = tokens_to_load(computed=num_computed_tokens,
                                available=remote.tokens_available(request.num_prompt_tokens),
                                local_block=self._block_size, remote_block=remote.block_size,
-                               remote_blocks=len(remote.block_ids))
+                               remote_blocks=len(remote.block_ids),
+                               partial=self._settings.buffer_device == "cpu")
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -111,7 +112,7 @@ class KvxferScheduler:
                              remote_block=remote.block_size)
         self._orders.loads.append(LoadOrder(
             request.request_id, remote.request_id, remote.host, remote.port,
-            blocks.local, blocks.remote, remote.tp_size))
+            blocks.local, blocks.remote, remote.tp_size, blocks.num_tokens))
         self._loading.add(request.request_id)
 
     # ---- every step ------------------------------------------------------------------

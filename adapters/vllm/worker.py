@@ -259,7 +259,8 @@ class KvxferWorker:
                 ready.append(order)
         same_format = bool(cache is not None and cache.same_format_only)
         requests = [ReadRequest((o.host, o.port), list(o.local_blocks), list(o.remote_blocks),
-                                o.remote_request_id, same_format=same_format) for o in ready]
+                                o.remote_request_id, same_format=same_format, num_tokens=o.num_tokens)
+                    for o in ready]
         try:
             handles = agent.read_many(requests)
         except KvxferError:  # one bad load refuses the batch: submit them one by one to find it

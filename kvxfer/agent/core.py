@@ -296,7 +296,7 @@ class Agent:
         return self._peers.get(host, port, refresh=refresh, ready=True)
 
     def read(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
-             timeout: float | None = None) -> TransferHandle:
+             timeout: float | None = None, num_tokens: int | None = None) -> TransferHandle:
         """Pull ``remote_blocks`` of ``request_id`` from the instance at ``remote`` into ``local_blocks``.
 
         Returns at once, without waiting for any peer: the handshake (a new peer), the claim and
@@ -306,6 +306,13 @@ class Agent:
 
         ``remote`` is the remote instance's rank-0 side-channel address (its base port for
         its DP rank); kvxfer contacts every remote TP rank this rank needs heads from.
+
+        ``num_tokens`` (default None: every token of both lists, which must cover the same
+        tokens) moves exactly the first ``num_tokens`` tokens: each list holds
+        ``ceil(num_tokens / its block size)`` blocks, its last one possibly partial, and no byte
+        past token ``num_tokens`` of the last local block is written. Such a read whose last
+        blocks are partial moves by descriptors (``transfer_path`` "direct"; "ipc" and "staged"
+        refuse it with a ConfigError on the handle).
 
         ``timeout`` (default ``config.transfer_timeout``) bounds the whole read, handshake and
         claim included; it is also the transfer window the claim asks the producer for. The
@@ -317,17 +324,20 @@ class Agent:
         Raises (at once, before anything is sent): ConfigError (a bad ``timeout``),
         RequestInFlightError (``request_id`` already has a read or write in flight here, or is
         quarantined: the first one and the producer's hold are untouched), BlockIdError (ids
-        that are not distinct integers in range, or a quarantined destination block),
-        ClosedError, RegistrationError (no cache registered).
+        that are not distinct integers in range, or a quarantined destination block; a
+        ``num_tokens`` that is negative, not an integer, or that the local list does not hold
+        with at most its last block partial), ClosedError, RegistrationError (no cache registered).
 
         On the handle: PeerLostError, IncompatiblePeerError, LayoutError, BlockIdError (remote ids
-        past the producer's cache), LeaseExpiredError (the producer no longer holds the request),
-        TransferTimeoutError, TransferFailedError. A read may start moving bytes while its claim
+        past the producer's cache, or a remote list that does not fit ``num_tokens``),
+        LeaseExpiredError (the producer no longer holds the request), TransferTimeoutError,
+        TransferFailedError. A read may start moving bytes while its claim
         travels (IPC and direct paths): when the claim is refused, only this read's own
         destination ``local_blocks`` may have been written, and they stay in flight (or
         quarantined) until that move has ended.
         """
-        return self.read_many([ReadRequest(remote, local_blocks, remote_blocks, request_id, timeout)])[0]
+        return self.read_many([ReadRequest(remote, local_blocks, remote_blocks, request_id, timeout,
+                                           num_tokens=num_tokens)])[0]
 
     def read_many(self, requests: Sequence[ReadRequest]) -> list[TransferHandle]:
         """Submit many reads as one step; returns one handle per request, in order, at once.

@@ -74,6 +74,7 @@ class PendingRead:
     note: bytes
     started: float            # perf_counter at the call
     same_format: bool = False
+    num_tokens: int | None = None         # the tokens it moves, last blocks partial (None: every token)
     route: object = None                   # its ``ReadRoute`` once routed (``ReadPaths.plan``)
     sent: list | None = None              # the claim's pending answers (``Claims.send_many``)
     sent_error: KvxferError | None = None  # why the claim could not be sent
@@ -187,9 +188,9 @@ class ReadFlow:
         route (the kernel path keeps nothing per request in it). Where that check fails, each
         read is routed on its own, so each gets its own error."""
         agent = self._agent
-        plain = [r for r in reads if not r.same_format]
+        plain = [r for r in reads if not r.same_format and r.num_tokens is None]
         for r in reads:
-            if r.same_format:
+            if r.same_format or r.num_tokens is not None:  # checked and routed on its own
                 self._route(r, links)
         if len(plain) < 2:
             for r in plain:
@@ -274,7 +275,8 @@ class ReadFlow:
         try:
             if r.same_format:
                 _check_same_format(agent.spec, links)
-            r.route = agent._paths.plan(links, r.local, r.remote_ids, r.request_id, r.note)
+            r.route = agent._paths.plan(links, r.local, r.remote_ids, r.request_id, r.note,
+                                        num_tokens=r.num_tokens)
             return True
         except KvxferError as exc:
             self._fail(r, exc)

@@ -26,7 +26,7 @@ from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.config import check_flag
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
-from kvxfer.layout.request import check_block_id_lists, check_block_ids
+from kvxfer.layout.request import check_block_id_lists, check_block_ids, check_token_count
 from kvxfer.protocol import encode_notification
 from kvxfer.types import Direction, ReadRequest
 
@@ -133,8 +133,11 @@ class Submissions:
                 with contextlib.suppress(TypeError):
                     addresses[rr.remote] = remote
             note = encode_notification(rr.request_id, engine_id, key)
+            num_tokens = rr.num_tokens
+            if num_tokens is not None:  # the local side's share of the rule; the remote's is known once linked
+                num_tokens = check_token_count("local", local.size, agent.spec.block_size, num_tokens)
             out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
-                                   same_format=bool(rr.same_format)))
+                                   same_format=bool(rr.same_format), num_tokens=num_tokens))
         return out
 
     def write(self, remote, local_blocks, remote_blocks, rid: str, timeout: float | None) -> TransferHandle:

@@ -75,12 +75,14 @@ class ReadPaths:
         return (self.kit.vram and self._config.transfer_path in ("auto", "ipc") and bool(links)
                 and all(self.kit.ipc_why(link) is None for link in links))
 
-    def plan(self, links: list, local: np.ndarray, remote: np.ndarray, request_id: str, note: bytes) -> ReadRoute:
-        """A read's route (``plan_read``: its ids checked against every producer rank, its path chosen).
+    def plan(self, links: list, local: np.ndarray, remote: np.ndarray, request_id: str, note: bytes,
+             num_tokens: int | None = None) -> ReadRoute:
+        """A read's route (``plan_read``: its ids checked against every producer rank, its path
+        chosen); ``num_tokens``: the tokens it moves when its last blocks are partial.
 
         Raises: BlockIdError / LayoutError (ids or specs), ConfigError (a forced path that cannot serve it)."""
         return plan_read(self.kit, self._config.transfer_path, self._view, links, local, remote, request_id, note,
-                         self._config.allow_conversion)
+                         self._config.allow_conversion, num_tokens=num_tokens)
 
     # ---- starting moves ----------------------------------------------------------------
     def launch_ipc(self, links: list, reads: list[StepRead]) -> list[list[Part]]:

@@ -10,13 +10,12 @@ K's sub-vector, so K's part starts on a unit boundary of both).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Sequence
 
 import numpy as np
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout.request import MapSet, RequestPlan
+from kvxfer.layout.request import RequestPlan, join_requests
 from kvxfer.types import TransferPath
 
 __all__ = ["SplitKVPlan"]
@@ -46,24 +45,11 @@ class SplitKVPlan:
         return f"SplitKVPlan({', '.join(repr(p) for p in self.parts)})"
 
     def for_request(self, local_blocks: Sequence[int] | np.ndarray,
-                    remote_blocks: Sequence[int] | np.ndarray) -> RequestPlan:
+                    remote_blocks: Sequence[int] | np.ndarray, *, num_tokens: int | None = None) -> RequestPlan:
         """As ``TransferPlan.for_request``: V's rows then K's; staged offsets run on across both.
 
         Raises:
             BlockIdError: as ``TransferPlan.for_request``.
         """
-        reqs = [p.for_request(local_blocks, remote_blocks) for p in self.parts]
-        staged = self.mode is TransferPath.HOST_STAGED
-        starts = np.cumsum([0] + [r.staging_bytes for r in reqs])
-        local = [r.local for r in reqs]
-        if staged:   # local addresses are staging offsets: move each part to its own range
-            local = [t + np.array([start, 0, 0], dtype=np.uint64) for t, start in zip(local, starts[:-1].tolist())]
-        return RequestPlan(
-            local=np.concatenate(local), remote=np.concatenate([r.remote for r in reqs]),
-            staging_bytes=int(starts[-1]) if staged else 0, num_bytes=sum(r.num_bytes for r in reqs),
-            build_maps=partial(_maps, tuple(reqs), tuple(starts.tolist())) if staged else None)
-
-
-def _maps(reqs: tuple[RequestPlan, ...], starts: tuple[int, ...], side: str) -> MapSet:
-    """The parts' maps of ``side``, each over its own staging range."""
-    return MapSet(tuple((r._map(side), start, stop) for r, start, stop in zip(reqs, starts, starts[1:])))
+        reqs = [p.for_request(local_blocks, remote_blocks, num_tokens=num_tokens) for p in self.parts]
+        return join_requests(reqs, self.mode is TransferPath.HOST_STAGED)

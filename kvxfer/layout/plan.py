@@ -19,9 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-from kvxfer.errors import BlockIdError, LayoutError
+from kvxfer.errors import LayoutError
 from kvxfer.layout.kvsplit import SplitKVPlan
-from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, merge_rows
+from kvxfer.layout.request import RequestPlan, UnpackMap, check_block_ids, check_coverage, join_requests, merge_rows
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
 from kvxfer.layout.template import PieceTemplate, UnpackTemplate, direct_template, staged_template
 from kvxfer.layout.tp import head_range
@@ -141,15 +141,24 @@ class TransferPlan:
     (global head range moved), ``pieces_per_block`` (descriptors per region and local block
     before coalescing), ``over_read`` (staged pieces include unneeded remote vectors; then the
     plan cannot be reversed for a WRITE), ``reversible``, ``group`` (regions per group).
+
+    ``tokens`` (internal): the plan of a request's partial last unit, whose template covers only
+    that unit's first ``tokens`` tokens (``ceil(tokens / block_size)`` blocks a side).
+    ``min_piece``: the ``min_direct_bytes`` a staged plan's template was built with; ``exact``:
+    the views to plan a partial unit on when these views describe the memory only for whole
+    blocks (``_as_packed``).
     """
 
     def __init__(self, local: CacheView, remote: CacheView, heads: tuple[int, int], mode: TransferPath,
                  pieces: PieceTemplate, unpack: UnpackTemplate | None, over_read: bool,
-                 kv: int | None = None) -> None:
+                 kv: int | None = None, *, tokens: int | None = None, min_piece: int = 4096,
+                 exact: tuple[CacheView, CacheView] | None = None) -> None:
         self.local, self.remote, self.heads, self.mode = local, remote, heads, mode
         self.pieces, self.unpack, self.over_read = pieces, unpack, over_read
         self.reversible = not over_read
         self.kv = kv   # None: every region; 0 or 1: only that one of each layer (see kvsplit.py)
+        self.min_piece, self.exact = min_piece, exact
+        self._tails: dict[int, TransferPlan] = {}
         if unpack is not None:   # staging chunk vector c comes from remote (block _src_blk[c], vector _src_vec[c])
             vb = unpack.vector_bytes
             n_vec = pieces.length // vb
@@ -157,8 +166,8 @@ class TransferPlan:
             self._src_vec = np.repeat(pieces.r_off // vb, n_vec) + (
                 np.arange(int(n_vec.sum())) - np.repeat(np.cumsum(n_vec) - n_vec, n_vec))
         ls, rs = local.spec, remote.spec
-        self._unit = max(ls.block_size, rs.block_size)
-        self._l_per_unit, self._r_per_unit = self._unit // ls.block_size, self._unit // rs.block_size
+        self._unit = max(ls.block_size, rs.block_size) if tokens is None else tokens
+        self._l_per_unit, self._r_per_unit = -(-self._unit // ls.block_size), -(-self._unit // rs.block_size)
         self.pieces_per_block = -(-pieces.count // self._l_per_unit)
         l_bases, r_bases = _bases(local, kv), _bases(remote, kv)
         self._kv_count = l_bases.shape[1]
@@ -184,22 +193,50 @@ class TransferPlan:
 
     # ---- per request -----------------------------------------------------------------
     def for_request(self, local_blocks: Sequence[int] | np.ndarray,
-                    remote_blocks: Sequence[int] | np.ndarray) -> RequestPlan:
+                    remote_blocks: Sequence[int] | np.ndarray, *, num_tokens: int | None = None) -> RequestPlan:
         """Descriptors moving the tokens of ``local_blocks`` <-> ``remote_blocks`` (token order).
 
+        ``num_tokens`` None: every token of both lists, which must cover the same tokens. Given,
+        exactly the first ``num_tokens`` tokens move and each list ends with its own partial
+        last block (``ceil(num_tokens / block_size)`` blocks a side): no byte of a token past
+        ``num_tokens`` is read into or written in either side's last block.
+
         Raises:
-            BlockIdError: unequal token coverage (names both), an id outside ``[0, num_blocks)``
-                (names the id and the bound), or a repeated id.
+            BlockIdError: unequal token coverage, or lists that do not fit ``num_tokens`` (names
+                both), an id outside ``[0, num_blocks)`` (names the id and the bound), or a
+                repeated id.
         """
         ls, rs = self.local.spec, self.remote.spec
         lb = check_block_ids("local", local_blocks, ls.num_blocks)
         rb = check_block_ids("remote", remote_blocks, rs.num_blocks)
-        if lb.size * ls.block_size != rb.size * rs.block_size:
-            raise BlockIdError(
-                f"local and remote block lists must cover the same tokens; local {lb.size} blocks x "
-                f"{ls.block_size} = {lb.size * ls.block_size} tokens, remote {rb.size} blocks x "
-                f"{rs.block_size} = {rb.size * rs.block_size} tokens"
-            )
+        n = check_coverage(lb.size, ls.block_size, rb.size, rs.block_size, num_tokens)
+        whole = None if n is None else n // self._unit
+        if n is None or n == whole * self._unit:
+            return self._whole_units(lb, rb)
+        lw, rw = whole * self._l_per_unit, whole * self._r_per_unit
+        tail = self._tail(n - whole * self._unit)._whole_units(lb[lw:], rb[rw:])
+        if not whole:
+            return tail
+        return join_requests([self._whole_units(lb[:lw], rb[:rw]), tail], self.mode is TransferPath.HOST_STAGED)
+
+    def _tail(self, tokens: int) -> "TransferPlan":
+        """The plan (same mode, regions and heads) of a unit's first ``tokens`` tokens; cached."""
+        plan = self._tails.get(tokens)
+        if plan is None:
+            local, remote = self.exact or (self.local, self.remote)
+            ls, rs = local.spec, remote.spec
+            kind = 1 if self.kv is None else self.kv
+            if self.mode is TransferPath.DIRECT:
+                pieces, unpack, over = direct_template(ls, rs, self.heads, kind, tokens), None, False
+            else:
+                pieces, unpack, over = staged_template(ls, rs, self.heads, self.min_piece, kind, tokens)
+            plan = TransferPlan(local, remote, self.heads, self.mode, pieces, unpack, over, self.kv,
+                                tokens=tokens, min_piece=self.min_piece)
+            self._tails[tokens] = plan
+        return plan
+
+    def _whole_units(self, lb: np.ndarray, rb: np.ndarray) -> RequestPlan:
+        """``for_request`` of checked ids that cover whole units of this plan."""
         if self._span is not None:
             return self._span_request(lb, rb)
         lb = lb.reshape(-1, self._l_per_unit).astype(_U64)
@@ -348,11 +385,15 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
         raise LayoutError(f"min_direct_bytes must be a non-negative integer; got {min_direct_bytes!r}")
     ls, rs = local.spec, remote.spec
     heads = _check_pair(ls, rs)
+    exact = None
     if mode != "host-staged" and _whole_head_packed_rows(ls, rs):
+        exact = (local, remote)   # a partial last block is planned on the memory as it is
         local, remote = _as_packed(local), _as_packed(remote)
         ls, rs = local.spec, remote.spec
     if not (ls.k_dim_major or rs.k_dim_major):
-        return _plan_regions(local, remote, heads, mode, allow_conversion, min_direct_bytes, None)
+        plan = _plan_regions(local, remote, heads, mode, allow_conversion, min_direct_bytes, None)
+        plan.exact = exact
+        return plan
     # K and V differ in form on some side: one plan per region kind, in one mode
     parts = [_plan_regions(local, remote, heads, mode, allow_conversion, min_direct_bytes, kv) for kv in (1, 0)]
     if len({p.mode for p in parts}) > 1:
@@ -376,6 +417,8 @@ def _plan_regions(local: CacheView, remote: CacheView, heads: tuple[int, int], m
             f"(< min_direct_bytes {min_direct_bytes}); allow conversion to stage and unpack"
         )
     if mode == "direct" or (mode == "auto" and not fragmented):
-        return TransferPlan(local, remote, heads, TransferPath.DIRECT, direct, None, False, kv)
+        return TransferPlan(local, remote, heads, TransferPath.DIRECT, direct, None, False, kv,
+                            min_piece=min_direct_bytes)
     pieces, unpack, over_read = staged_template(ls, rs, heads, min_direct_bytes, kind)
-    return TransferPlan(local, remote, heads, TransferPath.HOST_STAGED, pieces, unpack, over_read, kv)
+    return TransferPlan(local, remote, heads, TransferPath.HOST_STAGED, pieces, unpack, over_read, kv,
+                        min_piece=min_direct_bytes)

@@ -7,6 +7,7 @@ a Python loop per block. Loops run only over regions (``num_layers * kv``) when 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
@@ -14,7 +15,8 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.types import TransferPath
 
-__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "merge_rows"]
+__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "check_coverage",
+           "check_token_count", "join_requests", "merge_rows"]
 
 _U64 = np.uint64
 
@@ -43,6 +45,52 @@ def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> n
         if dup.any():
             raise BlockIdError(f"{side} block ids must be distinct; got {int(s[1:][dup][0])} twice")
     return a.astype(np.int64, copy=False)
+
+
+def check_coverage(local_blocks: int, local_size: int, remote_blocks: int, remote_size: int,
+                   num_tokens=None) -> int | None:
+    """The tokens a read of ``local_blocks`` blocks of ``local_size`` tokens <- ``remote_blocks``
+    of ``remote_size`` moves: None (every token of both lists, which must cover the same
+    tokens) when ``num_tokens`` is None, else ``num_tokens``, which each list must cover with
+    its last block possibly partial: ``N <= blocks * size <= N + size - 1`` on both sides.
+
+    Raises:
+        BlockIdError: unequal coverage without ``num_tokens``, ``num_tokens`` not a
+            non-negative integer, or a list covering fewer than ``num_tokens`` tokens or more
+            than one partial block beyond them (names both values).
+    """
+    local_tokens, remote_tokens = local_blocks * local_size, remote_blocks * remote_size
+    if num_tokens is None:
+        if local_tokens != remote_tokens:
+            raise BlockIdError(
+                f"local and remote block lists must cover the same tokens; local {local_blocks} blocks x "
+                f"{local_size} = {local_tokens} tokens, remote {remote_blocks} blocks x {remote_size} = "
+                f"{remote_tokens} tokens (pass num_tokens for a read whose last blocks are partial)")
+        return None
+    n = check_token_count("local", local_blocks, local_size, num_tokens)
+    check_token_count("remote", remote_blocks, remote_size, n)
+    return n
+
+
+def check_token_count(side: str, blocks: int, size: int, num_tokens) -> int:
+    """``num_tokens`` as an int after checking one side's list of ``blocks`` blocks of ``size``
+    tokens holds them with at most its last block partial (``check_coverage``'s rule, one side).
+
+    Raises:
+        BlockIdError: ``num_tokens`` not a non-negative integer, more tokens than the list
+            covers, or a list longer than ``ceil(num_tokens / size)`` blocks (names both values).
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise BlockIdError(f"num_tokens must be a non-negative integer or None; got {num_tokens!r}")
+    n, tokens = int(num_tokens), blocks * size
+    need = -(-n // size)
+    if blocks < need:
+        raise BlockIdError(f"num_tokens {n} is more than the {side} block list covers: {blocks} blocks x "
+                           f"{size} = {tokens} tokens")
+    if blocks > need:
+        raise BlockIdError(f"the {side} block list covers {blocks} blocks x {size} = {tokens} tokens, more "
+                           f"than num_tokens {n} needs ({need} blocks; at most {need * size} tokens)")
+    return n
 
 
 def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndarray]:
@@ -102,6 +150,33 @@ def merge_rows(loc: np.ndarray, rem: np.ndarray) -> tuple[np.ndarray, np.ndarray
     loc[:, 1] = merged
     rem[:, 1] = merged
     return loc, rem
+
+
+def join_requests(reqs: Sequence["RequestPlan"], staged: bool) -> "RequestPlan":
+    """One ``RequestPlan`` made of ``reqs``' rows in order; for host-staged plans their staging
+    images follow one another (each part's local offsets and map move to its own range)."""
+    if len(reqs) == 1:
+        return reqs[0]
+    starts = np.cumsum([0] + [r.staging_bytes for r in reqs]).tolist()
+    local = [r.local for r in reqs]
+    if staged:   # local addresses are staging offsets: move each part to its own range
+        local = [t + np.array([start, 0, 0], dtype=_U64) if t.size else t for t, start in zip(local, starts)]
+    return RequestPlan(
+        local=np.concatenate(local).reshape(-1, 3), remote=np.concatenate([r.remote for r in reqs]).reshape(-1, 3),
+        staging_bytes=int(starts[-1]) if staged else 0, num_bytes=sum(r.num_bytes for r in reqs),
+        build_maps=partial(_joined_maps, tuple(reqs), tuple(starts)) if staged else None)
+
+
+def _joined_maps(reqs: tuple, starts: tuple, side: str) -> "MapSet":
+    """The parts' maps of ``side``, each over its own staging range (a part's own MapSet flattened)."""
+    parts = []
+    for r, start, stop in zip(reqs, starts, starts[1:]):
+        m = r._map(side)
+        if isinstance(m, MapSet):
+            parts += [(p, start + a, start + b) for p, a, b in m.parts]
+        else:
+            parts.append((m, start, stop))
+    return MapSet(tuple(parts))
 
 
 @dataclass(frozen=True)

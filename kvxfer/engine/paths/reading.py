@@ -35,7 +35,7 @@ from kvxfer.layout.pairs import unpack_pairs
 from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.plan import head_overlap
-from kvxfer.layout.request import check_block_ids
+from kvxfer.layout.request import check_block_ids, check_coverage
 from kvxfer.protocol import PackReady, Refuse
 from kvxfer.protocol.messages import PackRequest
 from kvxfer.types import MemKind, TransferPath
@@ -224,13 +224,30 @@ def _drop(kit: PathKit, pack: _SentPack) -> None:
     kit.router.close(pack.pipe)
 
 
+_PARTIAL_WHY = ("a read whose last blocks are partial (num_tokens) moves by descriptors: this path moves "
+                "whole chunks of blocks")
+
+
 def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local: np.ndarray,
-              remote: np.ndarray, request_id: str, note: bytes, allow_conversion: bool) -> ReadRoute:
+              remote: np.ndarray, request_id: str, note: bytes, allow_conversion: bool,
+              num_tokens: int | None = None) -> ReadRoute:
     """Validate the request against every producer rank and choose its path.
 
-    Raises: BlockIdError / LayoutError (bad ids or specs), ConfigError (a forced path that
-    cannot serve this request, naming why)."""
+    ``num_tokens``: the tokens the read moves, each list's last block possibly partial (None:
+    every token; a count equal to what both lists cover is the same read). A partial read
+    takes the descriptor path (direct), where ``_PARTIAL_WHY`` rules out the others.
+
+    Raises: BlockIdError / LayoutError (bad ids or specs, lists that do not fit ``num_tokens``),
+    ConfigError (a forced path that cannot serve this request, naming why)."""
     plans = [link.plan(view, allow_conversion=allow_conversion) for link in links]
+    if num_tokens is not None:
+        for link in links:
+            check_coverage(local.size, view.spec.block_size, remote.size, link.spec.block_size, num_tokens)
+        if all(num_tokens == local.size * view.spec.block_size == remote.size * link.spec.block_size
+               for link in links):
+            num_tokens = None  # whole blocks on both sides: today's read
+    if num_tokens is not None:
+        return _plan_partial(kit, configured, links, plans, local, remote, request_id, note, num_tokens)
     if configured in ("auto", "ipc") and links and all(kit.ipc_why(link) is None for link in links):
         # The kernel reads block ids, not descriptors: check the ids and skip the descriptor tables.
         for link in links:
@@ -255,9 +272,31 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
                      chunked=any(len(c) > 1 for c in chunks))
 
 
-def chunk_request(plan, req, local: np.ndarray, remote: np.ndarray, capacity: int) -> list:
+def _plan_partial(kit: PathKit, configured: str, links: list, plans: list, local: np.ndarray,
+                  remote: np.ndarray, request_id: str, note: bytes, num_tokens: int) -> ReadRoute:
+    """``plan_read`` of a read whose last blocks are partial: descriptors only (direct)."""
+    requests = [plan.for_request(local, remote, num_tokens=num_tokens) for plan in plans]
+    chunks = [chunk_request(plan, req, local, remote, kit.config.staging_bytes, num_tokens)
+              for plan, req in zip(plans, requests)]
+    direct_why = None
+    if kit.vram and any(r.staging_bytes for r in requests):
+        direct_why = ("the layout plan is not plain byte ranges (head slices or a layout change) and its "
+                      "host staging step does not apply to a GPU cache")
+    facts = PathFacts(ipc_why=_PARTIAL_WHY, staged_why=_PARTIAL_WHY, direct_why=direct_why, local_vram=kit.vram,
+                      descriptors=sum(int(r.local.shape[0]) for r in requests),
+                      num_bytes=sum(int(r.num_bytes) for r in requests),
+                      remote=bool(links) and all(kit.remote(link) for link in links),
+                      peer_staging_vram=all(_staging_kind(link) == MemKind.VRAM.value for link in links))
+    mode = choose_path(configured, facts)
+    return ReadRoute(mode, links, local, remote, request_id, note, chunks,
+                     chunked=any(len(c) > 1 for c in chunks))
+
+
+def chunk_request(plan, req, local: np.ndarray, remote: np.ndarray, capacity: int,
+                  num_tokens: int | None = None) -> list:
     """``req`` cut into requests whose host staging fits ``capacity`` bytes (``[req]`` when it
-    fits, or when it stages nothing). Chunks cut at whole tokens of both block sizes.
+    fits, or when it stages nothing). Chunks cut at whole tokens of both block sizes; with
+    ``num_tokens`` (a partial read) the last chunk ends at that token.
 
     Raises:
         LayoutError: not even one chunk's staging fits (names both sizes)."""
@@ -266,12 +305,20 @@ def chunk_request(plan, req, local: np.ndarray, remote: np.ndarray, capacity: in
     ls, rs = plan.local.spec, plan.remote.spec
     unit_tokens = math.lcm(ls.block_size, rs.block_size)
     lu, ru = unit_tokens // ls.block_size, unit_tokens // rs.block_size
-    units = max(1, local.size // lu)
+    total = local.size * ls.block_size if num_tokens is None else num_tokens
+    units = max(1, -(-total // unit_tokens))
     per_unit = -(-req.staging_bytes // units)
     step = max(1, capacity // per_unit)
+
+    def part(i: int):
+        tokens = min(step, units - i) * unit_tokens
+        if num_tokens is None or i * unit_tokens + tokens <= num_tokens:
+            return plan.for_request(local[i * lu:(i + step) * lu], remote[i * ru:(i + step) * ru])
+        return plan.for_request(local[i * lu:(i + step) * lu], remote[i * ru:(i + step) * ru],
+                                num_tokens=num_tokens - i * unit_tokens)
+
     while True:
-        out = [plan.for_request(local[i * lu:(i + step) * lu], remote[i * ru:(i + step) * ru])
-               for i in range(0, units, step)]
+        out = [part(i) for i in range(0, units, step)]
         if all(c.staging_bytes <= capacity for c in out):
             return out
         if step == 1:
