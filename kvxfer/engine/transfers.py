@@ -123,6 +123,9 @@ class _Request:
     # claim's answers once they are in, then grants, posts or fails (``advance(block)`` waits at
     # most ``block`` seconds on the peer; the agent's ``ReadStep.advance``). None: a lane does it.
     advance: Callable[[float], object] | None = None
+    # A hold-token read (issue 35): looked at once every part is done, before success; returns the
+    # read's error (the producer's hold ended before the move completed) or None.
+    verify: Callable[[], KvxferError | None] | None = None
     stats: TransferStats = field(init=False)
     # One poller at a time; the poster holds it from before it launches until ``attach``, so the
     # request cannot end (deadline, cancel) between a launch and the engine owning what it launched.
@@ -530,6 +533,12 @@ class TransferEngine:
             )
 
     def _succeed(self, req: _Request) -> None:
+        if req.verify is not None and not req.finished and req.error is None:
+            error = req.verify()  # after every part's DONE: the look that proves the hold covered the move
+            if error is not None:
+                self._fail(req, error)
+                self._wake()
+                return
         with self._lock:
             if req.finished or req.error is not None:
                 return
