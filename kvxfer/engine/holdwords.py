@@ -7,7 +7,8 @@ same host maps the same file read-only (``WordView``) and, once its move has com
 the slot with its ``HoldToken``: equal means the hold had not ended when the move completed
 (docs/reliability.md, "hold tokens"). The table is a file under ``/dev/shm`` so another process
 can map it by path; its name carries the engine id, so a restarted producer has a new table and
-an old token never matches a later hold. Each slot is two little-endian uint64: ``epoch``
+an old token never matches a later hold, and the pid, so the next table made on the host removes
+those of processes that died without closing theirs (``sweep_stale``). Each slot is two little-endian uint64: ``epoch``
 (0: no hold) and ``tag``.
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 from kvxfer.errors import ConfigError
 from kvxfer.types import HoldToken
 
-__all__ = ["HoldWords", "WordView", "hold_tag", "DEFAULT_SLOTS"]
+__all__ = ["HoldWords", "WordView", "hold_tag", "sweep_stale", "DEFAULT_SLOTS"]
 
 #: Slots of a producer's table (16 bytes each: 1 MiB). A hold that finds none free gets no token.
 DEFAULT_SLOTS = 65_536
@@ -42,6 +43,33 @@ def hold_tag(request_id: str, block_ids) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def sweep_stale(directory: str = _DIR) -> int:
+    """Remove the tables of processes that are gone (a SIGKILLed producer cannot remove its own);
+    returns how many. A table whose pid is alive (or reused) is left alone."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith("kvxfer-holds-"):
+            continue
+        pid = name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except OSError:
+                pass
+        except OSError:  # alive, another user's: not ours to judge
+            pass
+    return removed
+
+
 class HoldWords:
     """The producer's table. ``issue`` at hold time, ``retire`` before the blocks go back.
 
@@ -53,6 +81,7 @@ class HoldWords:
         if not isinstance(slots, int) or slots < 1:
             raise ConfigError(f"hold word slots must be an integer >= 1; got {slots!r}")
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:200]
+        sweep_stale(directory)
         self.path = os.path.join(directory, f"kvxfer-holds-{safe}-{os.getpid()}")
         self.slots = slots
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)

@@ -66,8 +66,7 @@ def _ids(trial: int, salt: int) -> tuple[list[int], list[int]]:
 def _hold(prod: Peer, rid: str, src: list[int], lease=None):
     """Hold ``src`` (reused once freed); returns (the bytes held, the token)."""
     want = prod.ask(("blocks", src))
-    prod.ask(("hold", rid, src, lease, True))
-    wire = prod.ask(("token", rid))
+    wire = prod.ask(("hold_token", rid, src, lease, True))
     assert wire is not None, "a plain hold got no token"
     return want, HoldToken.from_wire(wire)
 
@@ -166,7 +165,7 @@ def test_expiry_before_or_during_the_move_is_typed_or_exact(producer, cons, clai
         fill(cache, dst)
         assert _outcome(_read(agent, producer.address, dst, src, rid, token), cache, dst, want) == "LeaseExpiredError"
         rid = f"tok-exp-during-{trial}"
-        want, token = _hold(producer, rid, src, lease=0.005)   # expires while the move runs
+        want, token = _hold(producer, rid, src, lease=0.02)   # expires before or while the move runs
         fill(cache, dst)
         outcomes.append(_outcome(_read(agent, producer.address, dst, src, rid, token), cache, dst, want))
         _settled(agent)
