@@ -70,8 +70,16 @@ class TokenReads:
             except (OSError, KvxferError) as exc:
                 log.info("kvxfer: hold words of %s not readable here (%s): its reads claim", key, exc)
         with self._lock:
-            self._views.setdefault(key, view)
+            if key not in self._views:
+                self._views[key] = view
+                # a closed link (a restarted producer, a lost session) drops its map: the reads still
+                # moving keep theirs through their verifier, and the map goes with the last of them
+                link.on_close.append(lambda: self._forget(key))
             return self._views[key]
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._views.pop(key, None)
 
     @staticmethod
     def verifier(view: WordView, request_id: str, token: HoldToken):
