@@ -57,7 +57,7 @@ def _cache(spec: KVSpec, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in spec.tensor_shapes()]
 
 
-def _producer(cmd: Any, out: Any, port: int) -> None:
+def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None:
     """The producer process: an Agent and a raw NIXL agent over one cache; the main thread is the
     engine (busy for ``duty`` of every ``PERIOD``) and takes commands between its turns."""
     from kvxfer import Agent, AgentConfig  # noqa: PLC0415
@@ -65,7 +65,7 @@ def _producer(cmd: Any, out: Any, port: int) -> None:
 
     spec = KVSpec(**SPEC)
     cache = _cache(spec, 1)
-    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port)
+    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, nixl_progress_thread=thread)
     with Agent("busy-producer", spec, config) as agent:
         agent.register(cache)
         agent.listen()
@@ -166,9 +166,11 @@ def _has_poll(agent) -> bool:
     return callable(getattr(agent, "poll", None))
 
 
-def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print) -> dict:
+def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print,
+             progress_thread: bool | None = None) -> dict:
     """Measure (see the module doc); returns ``{"rows": [...], "spec": ...}``. Raises
-    RuntimeError when a read's bytes are wrong."""
+    RuntimeError when a read's bytes are wrong. ``progress_thread``: NIXL's progress thread in
+    both kvxfer agents (``AgentConfig.nixl_progress_thread``; None: their default, auto)."""
     from kvxfer import Agent, AgentConfig, HoldToken, ReadRequest  # noqa: PLC0415
     from kvxfer.testing import free_port_block  # noqa: PLC0415
 
@@ -176,14 +178,15 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
     ctx = mp.get_context("spawn")
     cmd, out = ctx.Queue(), ctx.Queue()
     port = free_port_block(1)
-    proc = ctx.Process(target=_producer, args=(cmd, out, port), daemon=True)
+    proc = ctx.Process(target=_producer, args=(cmd, out, port, progress_thread), daemon=True)
     proc.start()
     rows: list[dict] = []
     try:
         address, meta, bases = out.get(timeout=120)
         ask = lambda what: (cmd.put(what), out.get(timeout=60))[1]  # noqa: E731
         cache = _cache(spec, 2)
-        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1))
+        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1),
+                             nixl_progress_thread=progress_thread)
         with Agent("busy-consumer", spec, config) as agent:
             agent.register(cache)
             raw = _Raw(agent, meta, bases)
@@ -279,7 +282,7 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
             r["vs_idle"] = r["p50_ms"] / idle[r["method"]]
             r["vs_raw"] = r["p50_ms"] / next(x["p50_ms"] for x in rows
                                               if x["case"] == r["case"] and x["method"] == "raw NIXL")
-    return {"rows": rows, "spec": SPEC, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
+    return {"rows": rows, "spec": SPEC, "nixl_progress_thread": progress_thread, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
             * SPEC["num_layers"] * 2}
 
 
