@@ -211,3 +211,17 @@ def test_a_read_without_token_still_claims(harness, counted):
     cons.read(prod.address, [0, 3], [5, 1], "r1").wait(5)
     _same(ccache, pcache, [0, 3], [5, 1], s)
     assert counted["n"] == before + 1
+
+
+def test_close_ends_every_word_and_removes_the_table(harness):
+    prod, _ = harness.agent(spec(), seed=1)
+    prod.hold("r", [1, 2])
+    token = prod.hold_token("r")
+    view = WordView(prod._words.path, prod._words.slots)
+    path = prod._words.path
+    assert view.check(token) == ""
+    prod.close()
+    assert "no hold" in view.check(token)   # a read still moving when the producer closed fails
+    import os
+
+    assert not os.path.exists(path)
