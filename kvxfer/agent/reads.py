@@ -413,12 +413,6 @@ class ReadFlow:
         with engine.posting([r.req for r in reads]) as live_reqs:
             live = [r for r in reads if r.req in live_reqs]
             parts = {id(r): r.route.start(agent._kit, view, r.timeout, 0.0) for r in live}
-            for r in live:
-                if r.tokened:  # its producer learns it is done only once the word matched (after success)
-                    for part in parts[id(r)]:
-                        if part.notification:
-                            part.on_done = partial(agent._backend.notify, part.peer, part.notification)
-                            part.notification = b""
             by_peer: dict[str, list] = {}
             for r in live:
                 for part in parts[id(r)]:
@@ -441,6 +435,11 @@ class ReadFlow:
                     part.on_done = partial(agent._backend.notify, peer, part.notification)
                     part.notification = b""
             for r in live:
+                if r.tokened:  # a lone part's notice, too, goes once the word matched (after success)
+                    for part in parts[id(r)]:
+                        if part.job is None and part.notification:
+                            part.on_done = partial(agent._backend.notify, part.peer, part.notification)
+                            part.notification = b""
                 if id(r) in failed:
                     self._fail(r, failed[id(r)])
                     agent._claims.give_back(r.request_id)  # on the producer's lane, after the failure

@@ -225,3 +225,23 @@ def test_close_ends_every_word_and_removes_the_table(harness):
     import os
 
     assert not os.path.exists(path)
+
+
+def test_a_step_of_token_reads_is_exact_and_frees_every_hold(harness, counted):
+    """Several token reads to one producer go as one post; each one's done notice still reaches it."""
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    reads = []
+    for i, (src, dst) in enumerate((([5, 1], [0, 3]), ([7, 2], [4, 6]), ([9], [8]))):
+        prod.hold(f"s{i}", src)
+        reads.append(ReadRequest(prod.address, dst, src, f"s{i}", token=prod.hold_token(f"s{i}")))
+    before = counted["n"]
+    for h in cons.read_many(reads):
+        h.wait(5)
+    for r in reads:
+        _same(ccache, pcache, r.local_blocks, r.remote_blocks, s)
+    assert counted["n"] == before
+    assert wait_for(lambda: all(not prod.holding(f"s{i}") for i in range(3)))
+    assert prod.finished().sent == {"s0", "s1", "s2"}
