@@ -32,7 +32,7 @@ from kvxfer.layout.groups import AttentionGroup, HybridSpec, StateGroup
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Layout, Storage
 from kvxfer.layout.state import StateSpec, StateTensor
 from kvxfer.types import (
-    AbortOutcome, Direction, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
+    AbortOutcome, Direction, HoldToken, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
     TransferPath,
 )
 
@@ -66,6 +66,7 @@ __all__ = [
     "ConfigError",
     "Direction",
     "Finished",
+    "HoldToken",
     "HybridSpec",
     "IncompatiblePeerError",
     "KVSpec",

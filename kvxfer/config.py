@@ -189,6 +189,9 @@ class AgentConfig:
             per round trip (docs/protocol.md). ``0`` (default): a free port, announced in the
             handshake; a number: ``base + d * tp_size + r`` like the side channel (for firewalls);
             ``None`` (env ``off``): no lane here, and none used towards peers.
+        hold_words: slots of this producer's table of hold words (16 bytes each, in ``/dev/shm``):
+            a hold gets a token (``Agent.hold_token``) whose reads need no claim
+            (docs/reliability.md, "hold tokens"). ``0``: no table; every read claims.
     """
 
     side_channel_host: str | None = None
@@ -210,6 +213,7 @@ class AgentConfig:
     metrics_port: int | None = None
     express_port: int | None = 0
     num_threads: int = 0
+    hold_words: int = 65_536
 
     def __post_init__(self) -> None:
         set_ = partial(object.__setattr__, self)
@@ -235,6 +239,7 @@ class AgentConfig:
         set_("allow_conversion", check_flag(self.allow_conversion, "allow_conversion"))
         set_("staging_bytes", check_count(self.staging_bytes, "staging_bytes"))
         set_("num_threads", check_count(self.num_threads, "num_threads", 0, 1024))
+        set_("hold_words", check_count(self.hold_words, "hold_words", 0, 1 << 24))
         set_("max_message_bytes", check_count(self.max_message_bytes, "max_message_bytes", MIN_MESSAGE_BYTES))
         if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:
             raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "

@@ -88,6 +88,7 @@ class RemotePrefill:
     tp_size: int = 1
     groups: tuple[tuple[int, ...], ...] = ()
     block_size: int | None = None
+    hold_token: tuple[int, int, int] | None = None  # ``remote_hold_token``: (slot, epoch, tag), or None
 
     def __post_init__(self) -> None:
         if not self.groups:   # built by hand with block ids alone: one group
@@ -125,8 +126,15 @@ class RemotePrefill:
         if block_size is not None:
             block_size = _int(block_size, "remote_block_size", 1)
         groups = _block_ids(params["remote_block_ids"], num_groups)
+        token = params.get("remote_hold_token")
+        if token is not None:
+            if not isinstance(token, (list, tuple)) or len(token) != 3:
+                raise BadParams(f"remote_hold_token must be [slot, epoch, tag]; got {token!r}")
+            token = (_int(token[0], "remote_hold_token[0]", 0, (1 << 64) - 1),
+                     _int(token[1], "remote_hold_token[1]", 1, (1 << 64) - 1),
+                     _int(token[2], "remote_hold_token[2]", 0, (1 << 64) - 1))
         return cls(request_id, host, port, groups[0], num_tokens,
-                   engine_id if isinstance(engine_id, str) else None, tp_size, groups, block_size)
+                   engine_id if isinstance(engine_id, str) else None, tp_size, groups, block_size, token)
 
     def tokens_available(self, prompt_len: int) -> int:
         """Prompt tokens whose KV the producer holds (all of the prompt unless it said fewer)."""
@@ -144,13 +152,16 @@ def _answer_groups(block_ids: Any) -> list[list[int]]:
 
 def producer_answer(*, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], engine_id: str,
                     host: str, port: int, tp_size: int, num_tokens: int,
-                    block_size: int | None = None) -> dict[str, Any]:
+                    block_size: int | None = None, hold_token: Sequence[int] | None = None) -> dict[str, Any]:
     """The kv_transfer_params a prefill instance returns (vLLM's KvxferConnector answers the same fields).
 
     ``block_ids``: the ids of a one-group cache, or one list per KV-cache group (block ids, a
     state group's slots), already cut to what moves (a sliding group's window). ``block_size``
     (tokens per block of ``block_ids``) lets a decoder with other blocks choose which tokens to
-    load before it allocates (``remote_block_size``; omitted when None).
+    load before it allocates (``remote_block_size``; omitted when None). ``hold_token``: the
+    producer's ``HoldToken.wire()`` for the request (``remote_hold_token``; omitted when None): a
+    decoder that reads exactly ``block_ids`` with it needs no claim (docs/reliability.md, "hold
+    tokens"); older decoders ignore the field.
 
     Raises:
         BadParams: ids that are not lists of non-negative integers (names the list).
@@ -169,4 +180,8 @@ def producer_answer(*, request_id: str, block_ids: Sequence[int] | Sequence[Sequ
     }
     if block_size is not None:
         answer["remote_block_size"] = block_size
+    if hold_token is not None:
+        if not isinstance(hold_token, (list, tuple)) or len(hold_token) != 3:
+            raise BadParams(f"hold_token must be [slot, epoch, tag]; got {hold_token!r}")
+        answer["remote_hold_token"] = [_int(v, "hold_token[i]", 0, (1 << 64) - 1) for v in hold_token]
     return answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AbortOutcome", "Direction", "KeepaliveResult", "MemKind", "ReadRequest", "Region", "ReleaseOutcome",
+__all__ = ["AbortOutcome", "Direction", "HoldToken", "KeepaliveResult", "MemKind", "ReadRequest", "Region", "ReleaseOutcome",
            "ReleaseReason", "RequestState", "SessionState", "TransferPath", "XferState"]
 
 
@@ -232,3 +232,33 @@ class ReadRequest:
     timeout: float | None = None
     same_format: bool = False
     num_tokens: int | None = None
+    token: "HoldToken | None" = None  # the producer's hold token (``Agent.hold_token``): no claim
+
+
+@dataclass(frozen=True)
+class HoldToken:
+    """A producer's proof-of-hold for one request (``Agent.hold_token``): the slot of its hold
+    word, the epoch written there at ``hold`` and the tag ``blake2b(request id, held ids)``.
+
+    A consumer that passes it with a read (``ReadRequest.token``) needs no claim: the read moves
+    at once and succeeds only if the word still equals ``(epoch, tag)`` after the move completed
+    (docs/reliability.md, "hold tokens"). ``wire()``/``from_wire`` give the three integers as they
+    travel in ``kv_transfer_params`` (``remote_hold_token``).
+    """
+
+    slot: int
+    epoch: int
+    tag: int
+
+    def wire(self) -> list[int]:
+        return [int(self.slot), int(self.epoch), int(self.tag)]
+
+    @classmethod
+    def from_wire(cls, value) -> "HoldToken":
+        """From ``[slot, epoch, tag]``. Raises ValueError (a ``ConfigError`` is the caller's) when
+        it is not three non-negative integers below 2**64 (epoch >= 1)."""
+        if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in value) \
+                or value[1] == 0:
+            raise ValueError(f"a hold token is [slot, epoch >= 1, tag], three integers below 2**64; got {value!r}")
+        return cls(int(value[0]), int(value[1]), int(value[2]))

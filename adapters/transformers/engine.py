@@ -137,7 +137,8 @@ class HFEngine:
         host, port = transfers.address
         params = producer_answer(request_id=request_id, block_ids=blocks, engine_id=transfers.engine_id,
                                  host=host, port=port, tp_size=1, num_tokens=len(prompt),
-                                 block_size=self.pool.spec.block_size)
+                                 block_size=self.pool.spec.block_size,
+                                 hold_token=transfers.hold_token(request_id))
         return Generation(ids, reason, params)
 
     def decode(self, prompt: Sequence[int], max_tokens: int, remote: RemotePrefill,

@@ -18,7 +18,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from kvxfer import Agent, KvxferError, RequestState, WaitTimeout
+from kvxfer import Agent, HoldToken, KvxferError, ReadRequest, RequestState, WaitTimeout
 
 from kvxfer_transformers.params import RemotePrefill
 from kvxfer_transformers.pool import KVPool
@@ -123,6 +123,11 @@ class Transfers:
             return [b for blocks in self._quarantined.values() for b in blocks]
 
     # ---- producer --------------------------------------------------------------------
+    def hold_token(self, request_id: str) -> list[int] | None:
+        """The held request's token as it travels (``remote_hold_token``), or None (issue 35)."""
+        token = self._agent.hold_token(request_id)
+        return token.wire() if token is not None else None
+
     def hold(self, request_id: str, blocks: list[int]) -> None:
         """Keep ``blocks`` (already filled) for a decoder; they return to the pool when it is done
         or the lease expires. On error the caller still owns the blocks."""
@@ -180,8 +185,12 @@ class Transfers:
                 return Landed([], 0)
             landing = self._pool.allocate(local_count, timeout=timeout)
             partial = local_count * self._pool.block_size != len(remote_ids) * peer.block_size
-            handle = self._agent.read((remote.host, remote.port), landing, remote_ids, remote.request_id,
-                                      timeout=timeout, num_tokens=tokens if partial else None)
+            # The token proves a hold of exactly the ids it was given for: a shorter read claims.
+            token = HoldToken(*remote.hold_token) if remote.hold_token is not None \
+                and list(remote_ids) == list(remote.block_ids) else None
+            handle = self._agent.read_many([ReadRequest((remote.host, remote.port), landing, remote_ids,
+                                                        remote.request_id, timeout,
+                                                        num_tokens=tokens if partial else None, token=token)])[0]
         except KvxferError as exc:  # raised before anything was posted: the landing blocks are clean
             self._pool.free(landing)
             raise LoadFailed(f"load of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc

@@ -25,6 +25,7 @@ from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reads import ReadFlow, links_for
+from kvxfer.agent.tokens import TokenReads
 from kvxfer.agent.args import address, request_id as checked_id, request_ids as checked_ids
 from kvxfer.agent.jobs import Deferred
 from kvxfer.agent.submit import AbortJob, Submissions
@@ -35,6 +36,7 @@ from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.config import AgentConfig, check_count, check_flag as flag, progress_thread_wanted
 from kvxfer.engine.handles import TransferHandle
+from kvxfer.engine.holdwords import HoldWords
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.engine.readpaths import ReadPaths
 from kvxfer.engine.staging import StagingAllocator
@@ -51,7 +53,7 @@ from kvxfer.transport.address import side_channel_address
 from kvxfer.transport.base import Listener, Transport
 from kvxfer.transport.zmq import ZmqTransport
 from kvxfer.types import (
-    AbortOutcome, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
+    AbortOutcome, HoldToken, KeepaliveResult, MemKind, ReadRequest, ReleaseOutcome, ReleaseReason, RequestState,
 )
 
 __all__ = ["Agent", "Finished"]
@@ -101,7 +103,9 @@ class Agent:
         self._engine: TransferEngine | None = None
         self._reports = Reports(clock=self._clock.now)
         self._announced = AnnouncementBook(self.config.lease_timeout, clock=self._clock.now)
-        self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release)
+        self._words: HoldWords | None = None  # this producer's hold words (set by register)
+        self._words_addr = 0                  # their address as registered with the backend (0: not)
+        self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release, on_hold=self._on_hold)
         self._service = ProducerService(self)
         self._transport: Transport = transport or ZmqTransport()
         self._server: Listener | None = None
@@ -114,6 +118,7 @@ class Agent:
         self._paths: ReadPaths | None = None    # the transfer paths and the staged reads' packer (set by register)
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
         self._reads = ReadFlow(self)
+        self._tokens = TokenReads(self)
         self._read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
         self._submit = Submissions(self)
         self._lanes = PeerLanes("kvxfer-peer", self._submit.run_lane, self._submit.lane_crashed)
@@ -158,10 +163,26 @@ class Agent:
             region = self._registry.register_buffer(self._staging_buf)
             staging, base = StagingAllocator(self.config.staging_bytes), region.addr
         self._paths = ReadPaths(self._backend, self.config, self._view, self._leases, self._clock)
+        self._open_words()
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
                                       staging_base=base, staging=staging, unpack=self._unpack,
                                       on_reclaimed=self._reports.reclaimed, completion_scope=self._done.hold,
                                       wake=self._wake.set)
+
+    def _open_words(self) -> None:
+        """The table of hold words (``config.hold_words`` slots), registered with the backend for
+        consumers on other hosts; without it (0 slots, no /dev/shm) every read claims."""
+        if not self.config.hold_words:
+            return
+        try:
+            self._words = HoldWords(self.engine_id, self.config.hold_words)
+        except OSError as exc:
+            log.info("agent %s: no hold-word table (%s): every read of it claims", self.engine_id, exc)
+            return
+        try:
+            self._words_addr = self._registry.register_buffer(self._words.array).addr
+        except Exception as exc:  # noqa: BLE001 - same-host consumers still map it by path
+            log.debug("agent %s: hold words not registered with the backend: %s", self.engine_id, exc)
 
     def listen(self) -> tuple[str, int]:
         """Start the side-channel listener; returns the bound (host, port). Idempotent and
@@ -242,6 +263,17 @@ class Agent:
                           named=consumer_engines or (), replace=replace)
         self._reports.forget(request_id)
         self._wake.set()
+
+    def hold_token(self, request_id: str) -> HoldToken | None:
+        """The token of ``request_id``'s current hold, to send to its consumer with the block
+        ids (``ReadRequest.token``; ``kv_transfer_params``' ``remote_hold_token``): a read that
+        carries it needs no claim, and so none of this process's CPU (docs/reliability.md, "hold
+        tokens"). None when there is none: the request is not held, the hold names consumer
+        engines (its reads claim, so the names are checked), the table is off
+        (``config.hold_words=0``) or full. A ``replace`` gives a new token (the old one fails).
+        Does not block; thread-safe; ConfigError for a bad ``request_id``."""
+        checked_id(request_id)
+        return self._words.token(request_id) if self._words is not None else None
 
     def release(self, request_id: str) -> ReleaseOutcome:
         """Producer-side abort: end the hold of ``request_id``; new claims are refused from now.
@@ -559,6 +591,8 @@ class Agent:
             self._metrics.close()
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._words is not None:  # every token read still moving fails: the memory goes away
+            self._words.close()
         self._lanes.close()
         if self._server is not None:
             self._server.close()
@@ -592,6 +626,10 @@ class Agent:
         info = make_peer_info(self.engine_id, self._backend.name, self.spec, self._view.geometry,
                               self._backend.metadata(), host, port, self.config.lease_timeout,
                               express_port=getattr(self._server, "express_port", 0))
+        words = self._words
+        if words is not None:
+            info = msgspec.structs.replace(info, hold_words=words.path, hold_slots=words.slots,
+                                           hold_words_addr=self._words_addr)
         return msgspec.structs.replace(info, **self._paths.peer_fields()) if self._paths is not None else info
 
     def _links_for(self, remote: tuple[str, int],
@@ -618,7 +656,17 @@ class Agent:
         self._claims.pop(handle.request_id)
         self._reports.read_done(handle)
 
+    def _on_hold(self, request_id: str, ids, named: tuple) -> None:  # inside the lease table's lock
+        words = self._words
+        if words is not None:
+            if named:  # its reads must claim (the names are checked there): no token
+                words.retire(request_id)
+            else:
+                words.issue(request_id, ids)
+
     def _on_release(self, request_id: str, why: str) -> None:
+        if self._words is not None:  # the word changes before anything reports the blocks free
+            self._words.retire(request_id)
         if self._paths is not None:
             self._paths.packer.cancel(request_id, why)
         self._reports.released(request_id, why)

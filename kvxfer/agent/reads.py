@@ -80,6 +80,8 @@ class PendingRead:
     sent_error: KvxferError | None = None  # why the claim could not be sent
     claim_started: float = 0.0
     launched: object = None                # the route its IPC kernel was launched for
+    token: object = None                   # the producer's ``HoldToken``, or None (issue 35)
+    tokened: bool = False                  # moving by its token, with no claim: no lane takes it
 
     @property
     def live(self) -> bool:
@@ -161,6 +163,9 @@ class ReadFlow:
             return False  # staged reads wait their turn on the lane (see ``_start_staged``)
         if not routed:
             return True
+        routed = self._start_tokened(routed, links)  # issue 35: reads by their hold token claim nothing
+        if not routed:
+            return True
         try:
             wait = self._time_left(routed)
         except TransferTimeoutError as exc:
@@ -181,6 +186,34 @@ class ReadFlow:
         step = ReadStep(self, routed, links)
         agent._engine.on_advance([r.req for r in routed], step.advance)
         return True
+
+    def _start_tokened(self, routed: list[PendingRead], links: list) -> list[PendingRead]:
+        """Start at once, with no claim, the reads of ``routed`` whose hold token proves their hold
+        (``TokenReads``; docs/reliability.md, "hold tokens"): granted now, the engine looks at the
+        producer's word once their move completed (``_Request.verify``). Returns the others."""
+        agent = self._agent
+        view = agent._tokens.view(links[0]) if any(r.token is not None for r in routed) else None
+        if view is None:
+            return routed
+        tokened = [r for r in routed if r.token is not None and (
+            r.route.mode is TransferPath.IPC or (r.route.mode is TransferPath.DIRECT and not r.route.chunked and not any(
+                c.staging_bytes for chunks in r.route.requests for c in chunks)))]
+        if not tokened:
+            return routed
+        for r in tokened:
+            r.tokened = True
+            r.req.verify = agent._tokens.verifier(view, r.request_id, r.token)
+            agent._engine.grant(r.req)
+        self.launch(tokened)
+        direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]
+        if direct:
+            self._post_direct_many(direct)
+        for r in tokened:
+            if r.route.mode is TransferPath.IPC and r.live:
+                r.req.handle.done()  # its kernel may have passed already
+        agent._wake.set()
+        chosen = {id(r) for r in tokened}
+        return [r for r in routed if id(r) not in chosen]
 
     def _route_step(self, reads: list[PendingRead], links: list) -> None:
         """Route a step's reads to one producer at once: the kernel path's checks (the layout
@@ -224,7 +257,7 @@ class ReadFlow:
     # ---- on a lane -------------------------------------------------------------------
     def run(self, remote: tuple[str, int], reads: list[PendingRead]) -> None:
         """Carry out ``reads`` (all to ``remote``); every one ends on its handle, typed."""
-        pending = [r for r in reads if r.live]
+        pending = [r for r in reads if r.live and not r.tokened]
         for attempt in (1, 2):  # a peer that restarted since our handshake gets one fresh handshake
             if not pending:
                 return
@@ -357,6 +390,11 @@ class ReadFlow:
             parts, failed = agent._paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
                                                      for r in live])
             for i, (r, read_parts) in enumerate(zip(live, parts)):
+                if r.tokened:  # a lone part's notice, too, goes once the word matched (after success)
+                    for part in read_parts:
+                        if part.job is None and part.notification:
+                            part.on_done = partial(agent._backend.notify, part.peer, part.notification)
+                            part.notification = b""
                 if i in failed:
                     self._fail(r, failed[i])
                     agent._claims.give_back(r.request_id)  # on the producer's lane, after the failure

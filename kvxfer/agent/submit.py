@@ -22,13 +22,14 @@ from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, s
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.reads import PendingRead, ready_links
+from kvxfer.agent.tokens import tag_error
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.config import check_flag
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
 from kvxfer.layout.request import check_block_id_lists, check_block_ids, check_token_count
 from kvxfer.protocol import encode_notification
-from kvxfer.types import Direction, ReadRequest
+from kvxfer.types import Direction, HoldToken, ReadRequest
 
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
@@ -73,6 +74,9 @@ class Submissions:
                 raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
             request_id(rr.request_id)
             check_flag(rr.same_format, "same_format")
+            if rr.token is not None and not isinstance(rr.token, HoldToken):
+                raise ConfigError(f"a read's token must be a HoldToken or None; got {type(rr.token).__name__} "
+                                  f"for request {rr.request_id!r}")
         # the step's ids checked together (the same checks and errors as one by one)
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)
@@ -84,6 +88,10 @@ class Submissions:
             read.req = req
             agent._read_remotes[read.request_id] = read.remote
             handles.append(req.handle)
+            if read.token is not None:  # a token of another request or other ids: fails before anything moves
+                wrong = tag_error(read.request_id, read.token, read.remote_ids)
+                if wrong is not None:
+                    agent._engine.fail(req, wrong)
         by_peer: dict[tuple[str, int], list] = {}
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
@@ -137,7 +145,7 @@ class Submissions:
             if num_tokens is not None:  # the local side's share of the rule; the remote's is known once linked
                 num_tokens = check_token_count("local", local.size, agent.spec.block_size, num_tokens)
             out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
-                                   same_format=bool(rr.same_format), num_tokens=num_tokens))
+                                   same_format=bool(rr.same_format), num_tokens=num_tokens, token=rr.token))
         return out
 
     def write(self, remote, local_blocks, remote_blocks, rid: str, timeout: float | None) -> TransferHandle:

@@ -9,6 +9,8 @@ not wait for it. Two processes on one host (host memory, UCX's defaults), a cach
 * **stepping consumer**: the consumer's main thread runs 4 ms of Python per step and then polls
   (``Agent.poll()`` where the agent has it, then ``handle.done()``): the step at which the read is
   seen done.
+* **kvxfer token**: the same reads carrying the producer's hold token (``ReadRequest.token``,
+  issue 35): no claim, the producer's hold word looked at once the move completed.
 * **raw NIXL** in the same run, as stock vLLM's connector uses it: the same descriptors (one per
   layer x K/V x block), lists prepared once, one READ posted and polled with NIXL's state check by
   the engine's own thread, NIXL's progress thread on in both processes (as vLLM creates its NIXL
@@ -55,7 +57,7 @@ def _cache(spec: KVSpec, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in spec.tensor_shapes()]
 
 
-def _producer(cmd: Any, out: Any, port: int) -> None:
+def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None:
     """The producer process: an Agent and a raw NIXL agent over one cache; the main thread is the
     engine (busy for ``duty`` of every ``PERIOD``) and takes commands between its turns."""
     from kvxfer import Agent, AgentConfig  # noqa: PLC0415
@@ -63,7 +65,7 @@ def _producer(cmd: Any, out: Any, port: int) -> None:
 
     spec = KVSpec(**SPEC)
     cache = _cache(spec, 1)
-    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port)
+    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, nixl_progress_thread=thread)
     with Agent("busy-producer", spec, config) as agent:
         agent.register(cache)
         agent.listen()
@@ -82,9 +84,10 @@ def _producer(cmd: Any, out: Any, port: int) -> None:
                 op, arg = what
                 if op == "duty":
                     duty = float(arg)
-                elif op == "hold":
+                elif op == "hold":  # answers the holds' tokens (issue 35), as they travel
                     for rid, ids in arg:
                         agent.hold(rid, ids)
+                    arg = [(lambda t: t.wire() if t is not None else None)(agent.hold_token(rid)) for rid, _ in arg]
                 elif op == "blocks":
                     arg = [t[:, list(arg)].copy() for t in cache]
                 out.put(arg)
@@ -163,24 +166,27 @@ def _has_poll(agent) -> bool:
     return callable(getattr(agent, "poll", None))
 
 
-def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print) -> dict:
+def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print,
+             progress_thread: bool | None = None) -> dict:
     """Measure (see the module doc); returns ``{"rows": [...], "spec": ...}``. Raises
-    RuntimeError when a read's bytes are wrong."""
-    from kvxfer import Agent, AgentConfig  # noqa: PLC0415
+    RuntimeError when a read's bytes are wrong. ``progress_thread``: NIXL's progress thread in
+    both kvxfer agents (``AgentConfig.nixl_progress_thread``; None: their default, auto)."""
+    from kvxfer import Agent, AgentConfig, HoldToken, ReadRequest  # noqa: PLC0415
     from kvxfer.testing import free_port_block  # noqa: PLC0415
 
     spec = KVSpec(**SPEC)
     ctx = mp.get_context("spawn")
     cmd, out = ctx.Queue(), ctx.Queue()
     port = free_port_block(1)
-    proc = ctx.Process(target=_producer, args=(cmd, out, port), daemon=True)
+    proc = ctx.Process(target=_producer, args=(cmd, out, port, progress_thread), daemon=True)
     proc.start()
     rows: list[dict] = []
     try:
         address, meta, bases = out.get(timeout=120)
         ask = lambda what: (cmd.put(what), out.get(timeout=60))[1]  # noqa: E731
         cache = _cache(spec, 2)
-        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1))
+        config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1),
+                             nixl_progress_thread=progress_thread)
         with Agent("busy-consumer", spec, config) as agent:
             agent.register(cache)
             raw = _Raw(agent, meta, bases)
@@ -199,13 +205,16 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
                     if not np.array_equal(t[:, dst], w):
                         raise RuntimeError("a read's bytes differ from the producer's")
 
-            def kvxfer_read(poll_between=None) -> tuple[float, int]:
+            def kvxfer_read(poll_between=None, token=False) -> tuple[float, int]:
                 rid, src, dst = pick()
-                ask(("hold", [(rid, src.tolist())]))
+                wire = ask(("hold", [(rid, src.tolist())]))[0]
                 for t in cache:
                     t[:, dst] = 0
+                held = HoldToken.from_wire(wire) if token and wire is not None else None
+                if token and held is None:
+                    raise RuntimeError("the producer gave no hold token")
                 started = time.perf_counter()
-                handle = agent.read(address, dst, src, rid, timeout=10)
+                handle = agent.read_many([ReadRequest(address, dst, src, rid, 10, token=held)])[0]
                 steps = 0
                 if poll_between is None:
                     handle.wait()
@@ -239,18 +248,20 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
                 check(src, dst)
                 return seconds, steps[0] + 1
 
-            for _ in range(3):  # warm both paths (handshake, endpoints, plans)
-                kvxfer_read(), raw_read()
+            token_read = lambda poll_between=None: kvxfer_read(poll_between, token=True)  # noqa: E731
+            methods = (("kvxfer", kvxfer_read), ("kvxfer token", token_read), ("raw NIXL", raw_read))
+            for _ in range(3):  # warm every path (handshake, endpoints, plans)
+                kvxfer_read(), token_read(), raw_read()
             for duty in duties:
                 ask(("duty", duty))
-                for name, fn in (("kvxfer", kvxfer_read), ("raw NIXL", raw_read)):
+                for name, fn in methods:
                     times = [fn()[0] for _ in range(reads)]
                     rows.append({"case": f"producer {int(duty * 100)}% busy", "method": name,
                                  "p50_ms": _pct(times, 50) * 1e3, "p90_ms": _pct(times, 90) * 1e3})
                     progress(f"[busy] producer {int(duty * 100)}% busy, {name}: "
                              f"p50 {rows[-1]['p50_ms']:.3f} ms, p90 {rows[-1]['p90_ms']:.3f} ms")
             ask(("duty", 0.0))
-            for name, fn in (("kvxfer", kvxfer_read), ("raw NIXL", raw_read)):
+            for name, fn in methods:
                 got = [fn(lambda: _spin(STEP)) for _ in range(reads)]
                 steps = [s for _, s in got]
                 rows.append({"case": f"consumer steps {STEP * 1e3:.0f} ms", "method": name,
@@ -271,7 +282,7 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
             r["vs_idle"] = r["p50_ms"] / idle[r["method"]]
             r["vs_raw"] = r["p50_ms"] / next(x["p50_ms"] for x in rows
                                               if x["case"] == r["case"] and x["method"] == "raw NIXL")
-    return {"rows": rows, "spec": SPEC, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
+    return {"rows": rows, "spec": SPEC, "nixl_progress_thread": progress_thread, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
             * SPEC["num_layers"] * 2}
 
 

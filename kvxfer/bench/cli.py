@@ -81,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                         "busy in Python, a consumer that steps 4 ms at a time and polls; raw NIXL as stock "
                         "vLLM posts and polls it, in the same run (kvxfer.bench.busy; host memory)")
     p.add_argument("--reads", type=int, default=20, help="--busy-engine: reads per row")
+    p.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
+                   help="--busy-engine: NIXL's progress thread in kvxfer's agents (AgentConfig.nixl_progress_thread; "
+                        "raw NIXL always runs it, as vLLM does)")
     p.add_argument("--two-hosts", action="store_true",
                    help="producer and consumer in two network namespaces joined by a veth pair (needs "
                         "root; host memory, UCX over TCP): socket line, raw NIXL with UCX's and kvxfer's "
@@ -140,7 +143,8 @@ def _busy(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.quiet else (lambda line: None)
     try:
-        report = busy.run_busy(reads=args.reads, progress=progress)
+        thread = {"auto": None, "on": True, "off": False}[args.nixl_progress_thread]
+        report = busy.run_busy(reads=args.reads, progress=progress, progress_thread=thread)
     except RuntimeError as exc:
         print(f"kvxfer bench --busy-engine: {exc}", file=sys.stderr)
         return 1

@@ -111,10 +111,14 @@ class LeaseTable:
             ``why`` is a ``ReleaseReason`` (equal to "sent", "aborted" or "expired").
         max_window: the longest transfer window a claim may name (a hostile or confused
             consumer cannot pin blocks for longer).
+        on_hold: ``(request_id, ids, named)`` inside the table's lock once a hold (or a
+            replacement) is recorded: the agent writes the hold's word there, so no release can
+            come between the hold and its word (docs/reliability.md, "hold tokens").
     """
 
     def __init__(self, lease: float, clock: Clock | None = None,
-                 on_release: Callable[[str, str], None] | None = None, max_window: float = 480.0) -> None:
+                 on_release: Callable[[str, str], None] | None = None, max_window: float = 480.0,
+                 on_hold: Callable[[str, np.ndarray, tuple], None] | None = None) -> None:
         if lease <= 0:
             raise ConfigError(f"lease must be positive; got {lease!r}")
         if max_window <= 0:
@@ -127,6 +131,7 @@ class LeaseTable:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._on_release = on_release or (lambda request_id, why: None)
+        self._on_hold = on_hold
 
     def __len__(self) -> int:
         with self._lock:
@@ -186,6 +191,8 @@ class LeaseTable:
                                            named=tuple(named), _given=ids.tolist(),
                                            _packed=pack_ids(ids) or b"")
             self._look_at(request_id, deadline)
+            if self._on_hold is not None:
+                self._on_hold(request_id, ids, tuple(named))
 
     def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1,
               window: float = 0.0) -> ClaimResult:

@@ -126,6 +126,9 @@ class _Request:
     # claim's answers once they are in, then grants, posts or fails (``advance(block)`` waits at
     # most ``block`` seconds on the peer; the agent's ``ReadStep.advance``). None: a lane does it.
     advance: Callable[[float], object] | None = None
+    # A hold-token read (issue 35): looked at once every part is done, before success; returns the
+    # read's error (the producer's hold ended before the move completed) or None.
+    verify: Callable[[], KvxferError | None] | None = None
     stats: TransferStats = field(init=False)
     # One poller at a time; the poster holds it from before it launches until ``attach``, so the
     # request cannot end (deadline, cancel) between a launch and the engine owning what it launched.
@@ -574,7 +577,15 @@ class TransferEngine:
 
     def _succeed(self, req: _Request, event: Event) -> None:
         """``req`` moves to DONE by ``event`` (CLEARED landed, or MOVED granted) and its handle
-        completes here: notices, ``on_success``, then the handle's callbacks."""
+        completes here: notices, ``on_success``, then the handle's callbacks. A read by hold token
+        is first checked (``verify``: the look at the producer's hold word, after every part's
+        DONE); a mismatch fails it instead."""
+        if req.verify is not None and lifecycle.live(req.phase):
+            error = req.verify()  # after every part's DONE: the look that proves the hold covered the move
+            if error is not None:
+                self._fail(req, error)
+                self._wake()
+                return
         with self._lock:
             if not lifecycle.live(req.phase):
                 return

@@ -172,6 +172,13 @@ class PeerInfo(msgspec.Struct, frozen=True):
     # Appended: this agent reads ``Done.more`` (a step's done notices in one message). Older
     # peers: False (they get one ``Done`` per request).
     batch_done: bool = False
+    # Appended: this agent's table of hold words (kvxfer.engine.holdwords; docs/reliability.md,
+    # "hold tokens"): its path under /dev/shm for consumers on this host, its slots, and its
+    # address as registered with the backend (0: not registered) for consumers elsewhere. Older
+    # peers: "" / 0 (every read of them claims).
+    hold_words: Annotated[str, Meta(max_length=512)] = ""
+    hold_slots: Annotated[int, Meta(ge=0, le=1 << 24)] = 0
+    hold_words_addr: Annotated[int, Meta(ge=0)] = 0
 
 
 class Hello(_Msg, frozen=True):

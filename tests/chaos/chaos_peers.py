@@ -5,7 +5,8 @@ driven by tuple commands, whose engine *reuses* blocks the moment ``finished()``
 
 * ``("hold", rid, blocks, lease, reuse)``: hold ``blocks``; with ``reuse`` the agent's engine
   overwrites them with ``REUSED`` as soon as ``finished()`` reports ``rid`` sent or expired
-  (what a serving engine does with freed blocks);
+  (what a serving engine does with freed blocks); ``("token", rid)``: ``hold_token(rid).wire()`` or None;
+  ``("hold_token", rid, blocks, lease, reuse)``: ``hold`` answering the token;
 * ``("reset",)``: refill the cache from its seed; ``("hold_many", [(rid, blocks), ...])``; ``("release", rid)``; ``("stats",)`` (``Agent.stats()``
   as a dict); ``("rss",)``; ``("reused",)`` (rids overwritten so far, in order);
 * ``("blocks", ids)``: the cache's blocks ``ids`` (per layer arrays) as they are now;
@@ -119,6 +120,16 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
         return True
     if op == "release":
         return agent.release(args[0])
+    if op == "token":  # the hold's token as it travels (issue 35), or None
+        token = agent.hold_token(args[0])
+        return token.wire() if token is not None else None
+    if op == "hold_token":  # ``hold`` and its token in one answer (a short lease may end before a second ask)
+        rid, blocks, lease, reuse = args
+        agent.hold(rid, blocks, lease=lease)
+        if reuse:
+            engine.blocks[rid] = list(blocks)
+        token = agent.hold_token(rid)
+        return token.wire() if token is not None else None
     if op == "stats":
         return dataclasses.asdict(agent.stats())
     if op == "rss":

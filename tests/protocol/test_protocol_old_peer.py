@@ -27,7 +27,8 @@ from kvxfer.layout.spec import Layout, Storage
 #: The appended PeerInfo fields an old peer neither sends nor reads: the GPU paths, then the
 #: multiplexed listener (request ids on the side channel).
 GPU_FIELDS = ("host_id", "ipc", "staging")
-NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id", "packed_ids", "batch_claims", "batch_done")
+NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id", "packed_ids", "batch_claims", "batch_done",
+                                 "hold_words", "hold_slots", "hold_words_addr")
 #: The messages the old peer's union does not have.
 NEWER = (Done, PackRequest, PackReady, ClaimBatch, Grants)
 
@@ -101,7 +102,8 @@ def test_appended_fields_are_last_and_defaulted():
     assert {f.name: f.default for f in fields[-len(NEWER_FIELDS):]} == dict(host_id="", ipc=None, staging=None,
                                                                            multiplexed=False, express_port=0, net_id="",
                                                                            packed_ids=False, batch_claims=False,
-                                                                           batch_done=False)
+                                                                           batch_done=False, hold_words="",
+                                                                           hold_slots=0, hold_words_addr=0)
     assert OLD_FIELDS == tuple(f.name for f in fields[:-len(NEWER_FIELDS)])
 
 

@@ -73,6 +73,14 @@ class TestTransformersToTransformers(CrossContract):
         assert len(answer.token_ids) == 1
         route.decode.complete(prompt_of(50, seed=50), 1, kv_transfer_params=params)  # frees P's blocks
 
+    def test_prefill_answers_its_hold_token_and_the_decode_reads_by_it(self, route):
+        # issue 35: 70 tokens in blocks of 32 -> 3 held blocks, all read (69 tokens rounded up to 32s)
+        prompt = prompt_of(70, seed=71)
+        params = prefill(route.prefill, prompt).kv_transfer_params
+        token = params["remote_hold_token"]
+        assert isinstance(token, list) and len(token) == 3 and all(isinstance(v, int) for v in token) and token[1] >= 1
+        assert route.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params).token_ids == reference(route, prompt)
+
     def test_failed_load_under_fail_is_an_error(self, route):
         # hf16 (policy fail) is given params whose blocks were already read and released
         a = prompt_of(70, seed=61)

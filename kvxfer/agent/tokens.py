@@ -1,0 +1,92 @@
+"""Which reads go by their hold token instead of a claim, and their look at the word (layer: agent).
+
+A read that carries a ``HoldToken`` (``ReadRequest.token``) moves at once and succeeds only if the
+producer's hold word still equals the token once the move has completed (docs/reliability.md,
+"hold tokens"): ``TokenReads.verifier`` gives the engine that look (``_Request.verify``). The
+token is used only where it proves what the claim would: the producer is on this host and
+announced its table (``PeerInfo.hold_words``), and this rank is the only consumer rank that reads
+or depends on that producer rank (an unclaimed hold then counts one done, as a first claim
+would). Elsewhere the read claims, as before. A token whose tag is not ``hold_tag(request id,
+the read's remote ids)`` fails the read before anything moves or is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import partial
+from typing import TYPE_CHECKING
+
+from kvxfer.engine.holdwords import WordView, hold_tag
+from kvxfer.errors import KvxferError, LeaseExpiredError
+from kvxfer.layout import expected_notifications
+from kvxfer.types import HoldToken
+
+if TYPE_CHECKING:
+    from kvxfer.agent.core import Agent
+
+__all__ = ["TokenReads", "tag_error"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+def tag_error(request_id: str, token: HoldToken, remote_ids) -> LeaseExpiredError | None:
+    """Why ``token`` cannot prove a hold of ``remote_ids`` for ``request_id`` (None when it can)."""
+    tag = hold_tag(request_id, remote_ids)
+    if tag == token.tag:
+        return None
+    return LeaseExpiredError(
+        f"request {request_id!r}: its hold token (slot {token.slot}, epoch {token.epoch}) was not given for "
+        f"this request and these {len(remote_ids)} remote blocks (tag {token.tag:#x}, expected {tag:#x}): "
+        "nothing was read or sent")
+
+
+class TokenReads:
+    """The consumer's maps of its producers' tables (one per producer engine on this host)."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+        self._views: dict[str, WordView | None] = {}
+        self._lock = threading.Lock()
+
+    def view(self, link) -> WordView | None:
+        """The map of ``link``'s table when a token read of it proves its hold, else None."""
+        agent, info = self._agent, link.info
+        if not info.hold_words or not info.hold_slots or agent._paths is None \
+                or not info.host_id or info.host_id != agent._paths.kit.host_id:
+            return None
+        key = info.engine_id
+        with self._lock:
+            if key in self._views:
+                return self._views[key]
+        try:
+            ones = expected_notifications(link.spec, agent.spec.tp_size) == 1
+        except KvxferError:
+            ones = False
+        view = None
+        if ones:
+            try:
+                view = WordView(info.hold_words, info.hold_slots)
+            except (OSError, KvxferError) as exc:
+                log.info("kvxfer: hold words of %s not readable here (%s): its reads claim", key, exc)
+        with self._lock:
+            if key not in self._views:
+                self._views[key] = view
+                # a closed link (a restarted producer, a lost session) drops its map: the reads still
+                # moving keep theirs through their verifier, and the map goes with the last of them
+                link.on_close.append(lambda: self._forget(key))
+            return self._views[key]
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._views.pop(key, None)
+
+    @staticmethod
+    def verifier(view: WordView, request_id: str, token: HoldToken):
+        """The engine's look at the word once the move completed: None, or the read's error."""
+        return partial(_verify, view, request_id, token)
+
+
+def _verify(view: WordView, request_id: str, token: HoldToken) -> LeaseExpiredError | None:
+    why = view.check(token)
+    return LeaseExpiredError(f"request {request_id!r}: {why}") if why else None

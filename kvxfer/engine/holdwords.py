@@ -1,0 +1,180 @@
+"""Hold words: a table in shared memory whose slot says whether a hold still stands (layer: engine;
+imports no agent, transport, nixl or torch).
+
+The producer (``HoldWords``) gives each hold a slot and writes ``(epoch, tag)`` there; before the
+hold's blocks go back to the engine it stores 0 into the epoch (``retire``). A consumer on the
+same host maps the same file read-only (``WordView``) and, once its move has completed, compares
+the slot with its ``HoldToken``: equal means the hold had not ended when the move completed
+(docs/reliability.md, "hold tokens"). The table is a file under ``/dev/shm`` so another process
+can map it by path; its name carries the engine id, so a restarted producer has a new table and
+an old token never matches a later hold, and the pid, so the next table made on the host removes
+those of processes that died without closing theirs (``sweep_stale``). Each slot is two little-endian uint64: ``epoch``
+(0: no hold) and ``tag``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import re
+import threading
+
+import numpy as np
+
+from kvxfer.errors import ConfigError
+from kvxfer.types import HoldToken
+
+__all__ = ["HoldWords", "WordView", "hold_tag", "sweep_stale", "DEFAULT_SLOTS"]
+
+#: Slots of a producer's table (16 bytes each: 1 MiB). A hold that finds none free gets no token.
+DEFAULT_SLOTS = 65_536
+
+_DIR = "/dev/shm"
+
+
+def hold_tag(request_id: str, block_ids) -> int:
+    """``blake2b(request id, block ids as int64)`` as a uint64: what a token's tag must equal for
+    a read of ``block_ids`` of ``request_id`` (the ids in the order ``hold`` got them)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(request_id.encode("utf-8", "surrogatepass"))
+    h.update(b"\0")
+    h.update(np.ascontiguousarray(np.asarray(block_ids, dtype=np.int64).reshape(-1)).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def sweep_stale(directory: str = _DIR) -> int:
+    """Remove the tables of processes that are gone (a SIGKILLed producer cannot remove its own);
+    returns how many. A table whose pid is alive (or reused) is left alone."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith("kvxfer-holds-"):
+            continue
+        pid = name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except OSError:
+                pass
+        except OSError:  # alive, another user's: not ours to judge
+            pass
+    return removed
+
+
+class HoldWords:
+    """The producer's table. ``issue`` at hold time, ``retire`` before the blocks go back.
+
+    Thread-safe (one lock around the free list and the epoch counter). ``path`` is where a
+    same-host consumer maps it; ``array`` is the ``(slots, 2)`` uint64 view (its buffer may also
+    be registered with NIXL for consumers on other hosts)."""
+
+    def __init__(self, engine_id: str, slots: int = DEFAULT_SLOTS, directory: str = _DIR) -> None:
+        if not isinstance(slots, int) or slots < 1:
+            raise ConfigError(f"hold word slots must be an integer >= 1; got {slots!r}")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:200]
+        sweep_stale(directory)
+        self.path = os.path.join(directory, f"kvxfer-holds-{safe}-{os.getpid()}")
+        self.slots = slots
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, slots * 16)
+            self._map = mmap.mmap(fd, slots * 16)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._map, dtype="<u8").reshape(slots, 2)
+        self._free = list(range(slots - 1, -1, -1))
+        self._slot: dict[str, int] = {}   # request id -> its slot
+        self._epoch = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def issue(self, request_id: str, block_ids) -> HoldToken | None:
+        """Give ``request_id`` a slot (its old one, if it has one: a replaced hold) and a fresh
+        epoch; write ``tag`` then ``epoch``. None when no slot is free (the read then claims)."""
+        tag = hold_tag(request_id, block_ids)
+        with self._lock:
+            if self._closed:
+                return None
+            slot = self._slot.get(request_id)
+            if slot is None:
+                if not self._free:
+                    return None
+                slot = self._slot[request_id] = self._free.pop()
+            self._epoch += 1
+            epoch = self._epoch
+            row = self.array[slot]
+            row[0] = 0        # the old hold of this slot (a replace) ends first
+            row[1] = tag
+            row[0] = epoch    # one aligned 8-byte store: the token is valid from here
+        return HoldToken(slot, epoch, tag)
+
+    def token(self, request_id: str) -> HoldToken | None:
+        """The token of ``request_id``'s current hold, or None (no hold, or none was given)."""
+        with self._lock:
+            slot = self._slot.get(request_id)
+            if slot is None:
+                return None
+            epoch, tag = (int(v) for v in self.array[slot])
+        return HoldToken(slot, epoch, tag) if epoch else None
+
+    def retire(self, request_id: str) -> None:
+        """The hold of ``request_id`` ends: store 0 into its epoch (before anything reports it
+        free) and free the slot. Idempotent; a request without a slot is ignored."""
+        with self._lock:
+            slot = self._slot.pop(request_id, None)
+            if slot is None:
+                return
+            self.array[slot, 0] = 0
+            self._free.append(slot)
+
+    def close(self) -> None:
+        """Retire every word, then remove the file (a consumer's mapping stays readable: zeros)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.array[:, 0] = 0
+            self._slot.clear()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class WordView:
+    """A consumer's read-only map of a producer's table on this host."""
+
+    def __init__(self, path: str, slots: int) -> None:
+        if not isinstance(path, str) or not path.startswith(_DIR + "/kvxfer-holds-") or "/.." in path:
+            raise ConfigError(f"a hold-word table lives under {_DIR}/kvxfer-holds-*; got {path!r}")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < slots * 16 or slots < 1:
+                raise ConfigError(f"hold-word table {path!r} has {size} bytes; the producer announced {slots} slots")
+            self._map = mmap.mmap(fd, slots * 16, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.slots = slots
+        self.array = np.frombuffer(self._map, dtype="<u8").reshape(slots, 2)
+
+    def check(self, token: HoldToken) -> str:
+        """"" when the slot still holds ``token``'s word, else why not. Read once after the move."""
+        if token.slot >= self.slots:
+            return f"hold token slot {token.slot} is past the producer's table ({self.slots} slots)"
+        epoch = int(self.array[token.slot, 0])   # the epoch first: a retire stores 0 there
+        tag = int(self.array[token.slot, 1])
+        if epoch != token.epoch or tag != token.tag:
+            now = "no hold" if epoch == 0 else f"a later hold (epoch {epoch})"
+            return (f"the producer's hold ended before the read's move completed (its slot {token.slot} now "
+                    f"holds {now}; the token had epoch {token.epoch})")
+        return ""

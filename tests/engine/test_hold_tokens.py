@@ -1,0 +1,247 @@
+"""Hold tokens (issue 35) over FakeBackend: the producer's words, and reads that claim nothing.
+
+Real bytes move through the fake backend; the words live in a real file under /dev/shm that the
+consumer maps, as across processes on one host. tests/chaos/test_tokens_chaos.py does the same
+over real NIXL between real processes, with an engine that reuses blocks the moment they free."""
+
+import numpy as np
+import pytest
+
+from kvxfer import ConfigError, HoldToken, LeaseExpiredError, ReadRequest
+from kvxfer.engine.holdwords import HoldWords, WordView, hold_tag
+
+from agent_helpers import spec, wait_for
+
+
+def _same(ccache, pcache, local, remote, s):
+    for layer in range(s.num_layers):
+        for kv in range(2):
+            np.testing.assert_array_equal(ccache[layer][kv][local], pcache[layer][kv][remote])
+
+
+def _claims(agent) -> int:
+    """How many claims the producer's lease table answered (a token read sends none)."""
+    return agent._claims_seen
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the claims a producer answers."""
+    from kvxfer.agent.service import ProducerService
+
+    seen = {"n": 0}
+    real = ProducerService._claim
+
+    def claim(self, message, peer):
+        seen["n"] += 1
+        return real(self, message, peer)
+
+    monkeypatch.setattr(ProducerService, "_claim", claim)
+    return seen
+
+
+# ---- the producer's table ------------------------------------------------------------------
+def test_words_issue_retire_and_replace(tmp_path):
+    words = HoldWords("p-1", slots=4, directory="/dev/shm")
+    try:
+        view = WordView(words.path, 4)
+        t = words.issue("r1", [3, 1])
+        assert t.epoch >= 1 and t.tag == hold_tag("r1", [3, 1])
+        assert view.check(t) == ""
+        again = words.issue("r1", [3, 1])          # a replace: same slot, new epoch
+        assert again.slot == t.slot and again.epoch > t.epoch
+        assert "epoch" in view.check(t) and view.check(again) == ""
+        words.retire("r1")
+        assert "no hold" in view.check(again)
+        assert words.token("r1") is None
+        for i in range(4):
+            assert words.issue(f"x{i}", [i]) is not None
+        assert words.issue("full", [0]) is None     # no slot free: no token (the read claims)
+        assert "past the producer's table" in view.check(HoldToken(9, 1, 0))
+    finally:
+        words.close()
+
+
+def test_a_view_refuses_a_path_outside_the_tables():
+    with pytest.raises(ConfigError, match="kvxfer-holds"):
+        WordView("/etc/passwd", 1)
+
+
+def test_token_from_wire_is_checked():
+    assert HoldToken.from_wire([1, 2, 3]) == HoldToken(1, 2, 3)
+    for bad in ([1, 0, 3], [1, 2], [-1, 2, 3], "x", [1, 2, 1 << 64], [True, 2, 3]):
+        with pytest.raises(ValueError):
+            HoldToken.from_wire(bad)
+
+
+def test_hold_gives_a_token_and_every_end_changes_the_word(harness):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    view = WordView(prod._words.path, prod._words.slots)
+    for end in ("release", "expire", "replace"):
+        prod.hold("r", [5, 1, 7], lease=0.2 if end == "expire" else None)
+        token = prod.hold_token("r")
+        assert token is not None and token.tag == hold_tag("r", [5, 1, 7])
+        assert view.check(token) == ""
+        seen = {}
+        real = prod._reports.released   # what finished() lists: the word must have changed before
+
+        def released(rid, why, real=real, token=token):
+            seen.setdefault(rid, view.check(token))
+            real(rid, why)
+
+        prod._reports.released = released
+        try:
+            if end == "release":
+                prod.release("r")
+            elif end == "expire":
+                assert wait_for(lambda: not prod.holding("r"), 5)
+            else:
+                prod.hold("r", [5, 1, 7], replace=True)
+                assert view.check(token) and view.check(prod.hold_token("r")) == ""
+                prod.release("r")
+        finally:
+            prod._reports.released = real
+        assert "r" in seen and seen["r"], f"{end}: the word had not changed when the blocks were reported free"
+        assert prod.hold_token("r") is None
+        prod.finished()
+
+
+def test_a_hold_naming_engines_gets_no_token(harness):
+    prod, _ = harness.agent(spec(), seed=1)
+    prod.hold("r", [1], consumer_engines=["someone"])
+    assert prod.hold_token("r") is None
+
+
+def test_the_handshake_announces_the_table(harness):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, _ = harness.agent(s, seed=2, listen=False)
+    link = cons.connect(*prod.address)
+    assert link.info.hold_words == prod._words.path and link.info.hold_slots == prod._words.slots
+
+
+def test_no_table_when_turned_off(harness):
+    prod, _ = harness.agent(spec(), seed=1, hold_words=0)
+    prod.hold("r", [1])
+    assert prod.hold_token("r") is None
+
+
+# ---- the consumer -----------------------------------------------------------------------
+def test_a_token_read_is_exact_claims_nothing_and_frees_the_hold(harness, counted):
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    prod.hold("r1", [5, 1, 7])
+    token = prod.hold_token("r1")
+    before = counted["n"]
+    cons.read_many([ReadRequest(prod.address, [0, 3, 9], [5, 1, 7], "r1", token=token)])[0].wait(5)
+    _same(ccache, pcache, [0, 3, 9], [5, 1, 7], s)
+    assert counted["n"] == before, "a token read sent a claim"
+    assert wait_for(lambda: not prod.holding("r1"))
+    assert "r1" in prod.finished().sent
+
+
+def test_a_token_read_after_release_fails_typed_and_leaves_the_producer_alone(harness, counted):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, _ = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    prod.hold("r1", [5, 1, 7])
+    token = prod.hold_token("r1")
+    prod.release("r1")
+    prod.hold("r1", [5, 1, 7])   # held again: an old epoch in the slot's place
+    before = counted["n"]
+    with pytest.raises(LeaseExpiredError, match="hold ended"):
+        cons.read_many([ReadRequest(prod.address, [0, 3, 9], [5, 1, 7], "r1", token=token)])[0].wait(5)
+    assert counted["n"] == before
+    assert prod.holding("r1") and prod.hold_token("r1") != token  # the new hold is untouched
+
+
+@pytest.mark.parametrize("wrong", ["other request", "other ids"])
+def test_a_wrong_token_fails_before_anything_moves(harness, counted, wrong):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    prod.hold("a", [5, 1, 7])
+    prod.hold("b", [2, 4])
+    before_bytes = [c.copy() for c in ccache]
+    token = prod.hold_token("b" if wrong == "other request" else "a")
+    remote = [5, 1, 7] if wrong == "other request" else [5, 1, 8]
+    before = counted["n"]
+    with pytest.raises(LeaseExpiredError, match="was not given for this request"):
+        cons.read_many([ReadRequest(prod.address, [0, 3, 9], remote, "a", token=token)])[0].wait(5)
+    assert counted["n"] == before
+    for c, b in zip(ccache, before_bytes):
+        np.testing.assert_array_equal(c, b)
+    assert prod.holding("a") and prod.holding("b")
+    assert prod.finished().freed == set()
+
+
+def test_a_bad_token_type_is_refused_at_once(harness):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, _ = harness.agent(s, seed=2, listen=False)
+    with pytest.raises(ConfigError, match="HoldToken"):
+        cons.read_many([ReadRequest(prod.address, [0], [1], "r", token=[1, 2, 3])])
+
+
+def test_a_token_for_a_producer_without_a_table_claims(harness, counted):
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1, hold_words=0)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    prod.hold("r1", [5, 1])
+    token = HoldToken(0, 1, hold_tag("r1", [5, 1]))   # as an older producer's client might hand one
+    before = counted["n"]
+    cons.read_many([ReadRequest(prod.address, [0, 3], [5, 1], "r1", token=token)])[0].wait(5)
+    _same(ccache, pcache, [0, 3], [5, 1], s)
+    assert counted["n"] == before + 1   # the claim carried it
+
+
+def test_a_read_without_token_still_claims(harness, counted):
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    prod.hold("r1", [5, 1])
+    before = counted["n"]
+    cons.read(prod.address, [0, 3], [5, 1], "r1").wait(5)
+    _same(ccache, pcache, [0, 3], [5, 1], s)
+    assert counted["n"] == before + 1
+
+
+def test_close_ends_every_word_and_removes_the_table(harness):
+    prod, _ = harness.agent(spec(), seed=1)
+    prod.hold("r", [1, 2])
+    token = prod.hold_token("r")
+    view = WordView(prod._words.path, prod._words.slots)
+    path = prod._words.path
+    assert view.check(token) == ""
+    prod.close()
+    assert "no hold" in view.check(token)   # a read still moving when the producer closed fails
+    import os
+
+    assert not os.path.exists(path)
+
+
+def test_a_step_of_token_reads_is_exact_and_frees_every_hold(harness, counted):
+    """Several token reads to one producer go as one post; each one's done notice still reaches it."""
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    reads = []
+    for i, (src, dst) in enumerate((([5, 1], [0, 3]), ([7, 2], [4, 6]), ([9], [8]))):
+        prod.hold(f"s{i}", src)
+        reads.append(ReadRequest(prod.address, dst, src, f"s{i}", token=prod.hold_token(f"s{i}")))
+    before = counted["n"]
+    for h in cons.read_many(reads):
+        h.wait(5)
+    for r in reads:
+        _same(ccache, pcache, r.local_blocks, r.remote_blocks, s)
+    assert counted["n"] == before
+    assert wait_for(lambda: all(not prod.holding(f"s{i}") for i in range(3)))
+    assert prod.finished().sent == {"s0", "s1", "s2"}
