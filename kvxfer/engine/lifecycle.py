@@ -19,7 +19,9 @@ completing the handle, draining). A write is reserved granted.
 ``attach`` gives the request its parts (posted or already running); ``landed`` is every part
 done inside the request's window; ``fail`` a failure, cancel or deadline; ``ended`` every part
 confirmed unable to write; ``give_up`` the drain grace passed first (the destination blocks stay
-out of use); ``reclaim`` those parts confirmed ended later. A transition not in the table is a
+out of use; also a request whose poster was still inside a backend call when its deadline and
+the grace had passed: what that poster attaches afterwards is confirmed ended before the blocks
+come back); ``reclaim`` those parts confirmed ended later. A transition not in the table is a
 bug in the engine: ``advance`` raises ``RuntimeError``.
 """
 
@@ -68,6 +70,7 @@ TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
     (Phase.DRAINING, Event.ATTACH): Phase.DRAINING,   # parts started before the failure: it ends with them
     (Phase.DRAINING, Event.ENDED): Phase.FAILED,
     (Phase.DRAINING, Event.GIVE_UP): Phase.QUARANTINED,
+    (Phase.QUARANTINED, Event.ATTACH): Phase.QUARANTINED,  # its poster outlived its deadline: ends with them
     (Phase.QUARANTINED, Event.RECLAIM): Phase.RECLAIMED,
 }
 

@@ -27,6 +27,7 @@ fails: its producer may have freed and reused the blocks while they moved.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from functools import partial
@@ -53,6 +54,8 @@ from kvxfer.errors import (
 from kvxfer.types import Direction, MemKind, TransferPath
 
 __all__ = ["Job", "Part", "TransferEngine", "stop_jobs"]
+
+log = logging.getLogger("kvxfer.engine")
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -317,6 +320,13 @@ class TransferEngine:
             staged = any(p.job is None and p.plan.staging_bytes for p in parts)
             mode = TransferPath.HOST_STAGED if staged else TransferPath.DIRECT
         with req.lock:
+            if req.phase is Phase.QUARANTINED:
+                # Its deadline passed while this poster was still posting (``_abandon``): what it
+                # started is kept, so the blocks come back only once that has ended.
+                req.parts = [p for p in parts if p.job is not None]
+                with self._lock:
+                    req.move(Event.ATTACH)
+                return False
             if req.finished or (req.error is not None and not started):
                 # Jobs given here already started only if the request ended under its poster
                 # (``close``): let them end before this returns, as a drain would.
@@ -432,7 +442,13 @@ class TransferEngine:
             return
         try:
             for req in quarantined:
-                if self._end_parts(req, wait=False):
+                if not req.lock.acquire(blocking=False):
+                    continue  # its poster is still inside: what it attaches must end first
+                try:
+                    ended = self._end_parts(req, wait=False)
+                finally:
+                    req.lock.release()
+                if ended:
                     with self._lock:
                         if self._quarantine.pop(req.handle.request_id, None) is None:
                             continue
@@ -452,8 +468,11 @@ class TransferEngine:
             if _watched(req, groups):
                 continue  # a waiter polls it or its group (a kernel or pipeline: polls only observe it)
             # Never wait on a request's lock: its poster may be launching it (a slow peer's post
-            # must not hold up the others); it is polled on the next pass.
+            # must not hold up the others); it is polled on the next pass, or, once its deadline
+            # and the drain's grace have passed with its poster still inside, abandoned.
             if not req.lock.acquire(blocking=False):
+                if self._overdue(req):
+                    self._abandon(req)
                 continue
             try:
                 if not req.posted:
@@ -485,6 +504,11 @@ class TransferEngine:
         grant is pending and this thread may drive it (poll again), and False while only another
         thread can move it on (a lane claiming it): a waiter then sleeps instead of spinning. A
         failure is recorded here and drained by the progress thread, like one it found."""
+        if self._overdue(req):  # its poster stuck (maybe the progress thread itself): any poller ends it
+            if not req.lock.acquire(blocking=False):
+                self._abandon(req)
+                return True
+            req.lock.release()  # nobody inside: the usual pass fails and drains it
         advance = req.advance
         if advance is not None and not (req.posted and req.granted) and not req.finished:
             with self._scope():
@@ -592,14 +616,50 @@ class TransferEngine:
             req.move(event)
             self._requests.pop(req.handle.request_id, None)
         req.stats.seconds = time.perf_counter() - req.started
+        # The request has left the table: nothing below may stop its handle from completing. A
+        # notice that cannot be sent (the producer died after the bytes arrived) is logged; the
+        # producer's lease then ends the hold.
         for part in req.parts:  # completion notices go only once the read is known good
-            if part.on_done is not None:
-                part.on_done()
-            elif part.notification and not getattr(part.job, "notifies", False):
-                self._backend.notify(part.peer, part.notification)
+            try:
+                if part.on_done is not None:
+                    part.on_done()
+                elif part.notification and not getattr(part.job, "notifies", False):
+                    self._backend.notify(part.peer, part.notification)
+            except Exception as exc:  # noqa: BLE001 - the read succeeded; only its notice failed
+                log.warning("request %r: done notice to %s not sent (its lease will end the hold): %s",
+                            req.handle.request_id, part.peer, exc)
         if req.on_success is not None:
-            req.on_success()
+            try:
+                req.on_success()
+            except Exception:  # noqa: BLE001
+                log.exception("request %r: on_success raised", req.handle.request_id)
         req.handle._finish(stats=req.stats)
+
+    def _overdue(self, req: _Request) -> bool:
+        """Past its deadline and the drain's grace, and not ended: nothing may hold its handle any longer."""
+        return (req.deadline is not None and not req.finished
+                and self._clock.now() >= req.deadline + self._grace)
+
+    def _abandon(self, req: _Request) -> None:
+        """``req``'s poster has held it past its deadline and the drain's grace (a backend call
+        that does not return): its handle fails now with its blocks quarantined, and whatever
+        the poster attaches afterwards is confirmed ended before they come back (``attach``,
+        the quarantine sweep). The deadline promise holds whatever the backend does."""
+        rid = req.handle.request_id
+        with self._lock:
+            if req.finished:
+                return
+            if lifecycle.live(req.phase):
+                req.move(Event.FAIL)
+                req.error = TransferTimeoutError(
+                    f"request {rid!r}: its deadline passed while its transfer was still being posted "
+                    "(the transport's call had not returned)")
+            req.move(Event.GIVE_UP)
+            self._requests.pop(rid, None)
+            self._quarantine[rid] = req
+        error = req.error
+        error.quarantined_blocks = req.blocks.tolist()
+        req.handle._finish(error=error)
 
     def _fail(self, req: _Request, error: KvxferError) -> bool:
         """Mark ``req`` failed; it drains from the next progress step. False if it already ended."""
