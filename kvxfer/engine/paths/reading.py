@@ -2,13 +2,13 @@
 
 ``plan_read`` runs before the claim (it validates the ids through the layout plan and picks
 the path with ``choose_path``); ``ReadRoute.start`` returns the engine ``Part`` of each
-producer rank. It runs after the producers granted the claim, except for ``ipc``, whose kernel
-is launched first so the claim's round trip overlaps it (``Agent.read`` explains why that is safe):
+producer rank of a direct or staged read, after the producers granted the claim. An ``ipc``
+read's kernel is not started here: a step's IPC reads share one launch per producer rank
+(``kvxfer.engine.readpaths.ReadPaths.launch_ipc``), made before the claim leaves so its round
+trip overlaps the copy (``kvxfer.agent.reads`` explains why that is safe):
 
 * ``direct``: the layout plan's descriptors (the backend notifies the producer on completion);
-* ``ipc``: one direct pair-copy kernel per producer rank (its tables from the link's
-  ``DirectTemplate``) on the agent's CUDA stream, reading the peer's cache through its CUDA IPC
-  mapping, then an event the progress loop polls;
+* ``ipc``: the route only (ids checked; the kernel's tables come from the link's ``DirectTemplate``);
 * ``staged``: a ``PackRequest`` per producer rank (it packs into its staging area and
   announces pieces), and a worker running ``fetch_read`` into its own window of our staging
   slots.
@@ -41,7 +41,7 @@ from kvxfer.protocol.messages import PackRequest
 from kvxfer.types import MemKind, TransferPath
 
 from kvxfer.engine.paths.kit import PathKit
-from kvxfer.engine.paths.jobs import IpcJob, PipelineJob
+from kvxfer.engine.paths.jobs import PipelineJob
 from kvxfer.engine.paths.choose import PathFacts, choose_path
 
 log = logging.getLogger("kvxfer.engine")
@@ -100,8 +100,8 @@ class ReadRoute:
             note = b"" if self.chunked else self.note
             return [Part(link.agent_name, chunk, link.view.geometry.kind, note)
                     for link, chunks in zip(self.links, self.requests) for chunk in chunks]
-        if self.mode is TransferPath.IPC:
-            return self._start_ipc(kit, view)
+        if self.mode is TransferPath.IPC:  # a step's kernel reads are launched together
+            raise RuntimeError("IPC reads are launched per step (ReadPaths.launch_ipc), not by ReadRoute.start")
         self.send_packs(kit, view, timeout, ask_timeout)  # nothing to send if they went with the claim
         packs, self.packs = self.packs, []
         parts: list[Part] = []
@@ -138,16 +138,6 @@ class ReadRoute:
         packs, self.packs = self.packs, []
         for pack in packs:
             _drop(kit, pack)
-
-    def _start_ipc(self, kit: PathKit, view: CacheView) -> list[Part]:
-        parts = []
-        for link in self.links:
-            # plan_read checked both id arrays against these specs
-            copy = kit.direct_template(link, view).copy(self.remote, self.local)
-            launches, event = kit.launch_and_record([copy])
-            parts.append(Part(link.agent_name, None, link.view.geometry.kind, self.note,
-                              job=IpcJob(launches, event, copy.nbytes, 1)))
-        return parts
 
     def _send_pack(self, kit: PathKit, view: CacheView, link, timeout: float | None,
                    ask_timeout: float) -> "_SentPack":
