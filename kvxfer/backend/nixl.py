@@ -1,10 +1,19 @@
-"""NIXL backend (layer: backend.nixl; the only kvxfer module that imports nixl; imports backend.base, types, errors, numpy).
+"""NIXL backend (layer: backend.nixl; the only kvxfer module that imports nixl; imports backend.base, backend.gate, types, errors, numpy).
 
 ``NixlBackend`` is one NIXL agent behind the ``Backend`` protocol. Every call into NIXL goes
 through ``_Boundary.call``: it turns NIXL's exceptions, ``"ERR"`` strings and ``None`` returns
 into kvxfer errors (the original chained), so nothing above this module sees a NIXL type.
 
 NIXL is imported lazily (on the first ``NixlBackend``), so ``import kvxfer`` works without it.
+
+Threads: the agent is created in NIXL's ``NIXL_THREAD_SYNC_RW`` mode, in which NIXL itself
+serialises its control calls and lets transfers be created, posted and polled from several
+threads at once (UCX's workers then run in their multi-thread mode). kvxfer's side follows the
+same split (``backend.gate``): data calls (``post``, ``post_prepared``, ``state``, ``release``,
+``notify``, ``notifications``) run side by side, so one peer's slow post holds up no other
+peer's transfers; control calls (``register``, ``add_peer``, ``remove_peer``, ``prepare``,
+``unprepare``, ``close``...) run alone. Polling and releasing one transfer are serialised on that
+transfer only. A NIXL build without the RW mode gets one call at a time, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvxfer.backend.base import XferId
+from kvxfer.backend.gate import Gate
 from kvxfer.backend.checks import check_regions, descriptor_table, as_enum, check_indices, check_pair
 from kvxfer.backend.ucx_env import apply_ucx_defaults
 from kvxfer.errors import (
@@ -48,6 +58,19 @@ _PROBE_LARGE_BYTES = 2 << 20  # its second (host memory): past UCX's large-messa
 _PROBE_POLL_S = 2e-4
 log = logging.getLogger("kvxfer.backend")
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
+
+
+class _Xfer:
+    """One posted transfer: its NIXL handle (None once released), its terminal state once seen,
+    and why it failed. ``lock`` serialises polling it against releasing it, and nothing else."""
+
+    __slots__ = ("handle", "lock", "state", "failure")
+
+    def __init__(self, handle: Any, state: XferState | None = None) -> None:
+        self.handle = handle
+        self.lock = threading.Lock()
+        self.state = state
+        self.failure: KvxferError | None = None
 
 
 def load_nixl_api() -> Any:
@@ -133,8 +156,8 @@ class NixlBackend:
             or ``num_threads < 0``.
         BackendError: NIXL is missing or the agent/plugin could not be created.
 
-    Thread safety: every method takes one lock, so the engine may post from one thread and
-    poll from another. Ids (transfers, prepared lists) are ints unique for this agent's lifetime.
+    Thread safety: any method from any thread (see the module doc: data calls run side by side,
+    control calls alone). Ids (transfers, prepared lists) are ints unique for this agent's lifetime.
     """
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0,
@@ -152,16 +175,20 @@ class NixlBackend:
         self.backends = backends
         self.num_threads = num_threads
         self.progress_thread = bool(progress_thread)
-        self._lock = threading.RLock()
         self._nx = _Boundary(name)
         # UCX reads its environment when the agent below creates its context: fill kvxfer's TCP
         # defaults first (only variables the user left unset; see backend/ucx_env.py).
         apply_ucx_defaults()
         api = load_nixl_api()
+        sync = getattr(getattr(api, "nixl_thread_sync_t", None), "NIXL_THREAD_SYNC_RW", None)
+        extra = {} if sync is None else {"sync_mode": sync}
+        self._gate = Gate(shared=sync is not None)
+        self._table = threading.Lock()  # guards only the dicts below against concurrent data calls
+        self._scratch_lock = threading.Lock()
         # Plugins are created one by one below, after checking their names against the build.
         config = self._nx.call("agent config",
                                lambda: api.nixl_agent_config(enable_prog_thread=bool(progress_thread),
-                                                             backends=[], num_threads=num_threads))
+                                                             backends=[], num_threads=num_threads, **extra))
         self._agent = self._nx.call(f"creating agent {name!r}", api.nixl_agent, name, config)
         available = list(self._nx.call("get_plugin_list", self._agent.get_plugin_list))
         unknown = [b for b in backends if b not in available]
@@ -174,9 +201,7 @@ class NixlBackend:
             self._nx.call(f"creating backend {plugin}", self._agent.create_backend, plugin, init,
                           allow_none=True)
         self._ids = itertools.count(1)
-        self._xfers: dict[int, Any] = {}      # id -> nixl_xfer_handle
-        self._done: dict[int, XferState] = {}  # id -> terminal state already seen
-        self._failures: dict[int, KvxferError] = {}  # id -> why it FAILED
+        self._xfers: dict[int, _Xfer] = {}    # id -> live transfer
         self._preps: dict[int, tuple[str | None, int, Any]] = {}  # id -> (peer, rows, handle)
         self._regs: dict[int, list[Any]] = {}  # id -> nixl reg lists
         self._peers: set[str] = set()
@@ -199,13 +224,14 @@ class NixlBackend:
 
         Cleanup goes on past failures; the first one (a kvxfer error) is raised at the end.
         """
-        with self._lock:
+        with self._gate.control:
             if self._closed:
                 return
             self._closed = True
             first: KvxferError | None = None
             steps: list[tuple[str, Callable[[], Any]]] = []
-            steps += [(f"releasing transfer {i}", h.release) for i, h in self._xfers.items()]
+            steps += [(f"releasing transfer {i}", x.handle.release) for i, x in self._xfers.items()
+                      if x.handle is not None]
             steps += [(f"releasing prepared list {i}", p[2].release) for i, p in self._preps.items()]
             for i, lists in self._regs.items():
                 steps += [(f"deregistering {i}", (lambda r=r: self._agent.deregister_memory(r)))
@@ -228,7 +254,7 @@ class NixlBackend:
     # ---- peers ---------------------------------------------------------------------
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (includes registered memory: fetch it after ``register``)."""
-        with self._lock:
+        with self._gate.control:
             self._check_open()
             return bytes(self._nx.call("get_agent_metadata", self._agent.get_agent_metadata))
 
@@ -237,7 +263,7 @@ class NixlBackend:
         metadata) call ``remove_peer`` first, so no stale connection or prepared list survives."""
         if not isinstance(metadata, (bytes, bytearray, memoryview)) or not metadata:
             raise ConfigError(f"peer metadata must be non-empty bytes; got {type(metadata).__name__}")
-        with self._lock:
+        with self._gate.control:
             self._check_open()
             name = self._nx.call("add_remote_agent", self._agent.add_remote_agent, bytes(metadata))
             name = name.decode() if isinstance(name, bytes) else str(name)
@@ -266,7 +292,7 @@ class NixlBackend:
         Raises:
             ConfigError: unknown ``peer``.
         """
-        with self._lock:
+        with self._gate.data:
             self._check_peer(peer)
             self._nx.call(f"make_connection to {peer!r}", self._agent.make_connection, peer,
                           allow_none=True)
@@ -304,20 +330,19 @@ class NixlBackend:
         nbytes = min(int(probe.length), nbytes)
         if nbytes <= 0:
             raise ConfigError(f"probe region must have a positive length; got {probe.length}")
-        with self._lock:
-            self._check_open()
+        with self._scratch_lock:
             if self._scratch is None:
                 scratch = np.ones(_PROBE_LARGE_BYTES, dtype=np.uint8)
                 self.register([Region(scratch.ctypes.data, _PROBE_LARGE_BYTES, 0, MemKind.DRAM)])
                 self._scratch = scratch
-            local = np.array([[self._scratch.ctypes.data, nbytes, 0]], dtype=np.uint64)
-            remote = np.array([[int(probe.addr), nbytes, int(probe.device)]], dtype=np.uint64)
-            return self.post(Direction.READ, local, MemKind.DRAM, remote, as_enum(MemKind, probe.kind, "kind"),
-                             peer, b"")
+        local = np.array([[self._scratch.ctypes.data, nbytes, 0]], dtype=np.uint64)
+        remote = np.array([[int(probe.addr), nbytes, int(probe.device)]], dtype=np.uint64)
+        return self.post(Direction.READ, local, MemKind.DRAM, remote, as_enum(MemKind, probe.kind, "kind"),
+                         peer, b"")
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` and release the prepared lists made for it. Unknown names are ignored."""
-        with self._lock:
+        with self._gate.control:
             self._check_open()
             if peer not in self._peers:
                 return
@@ -329,7 +354,7 @@ class NixlBackend:
                           allow_none=True)
 
     def peers(self) -> frozenset[str]:
-        with self._lock:
+        with self._gate.data:
             return frozenset(self._peers)
 
     def _check_peer(self, peer: str) -> None:
@@ -341,7 +366,7 @@ class NixlBackend:
     def register(self, regions: Sequence[Region]) -> int:
         """Register ``regions`` (grouped by memory kind); returns a handle for ``deregister``."""
         regions = check_regions(regions)
-        with self._lock:
+        with self._gate.control:
             self._check_open()
             lists = []
             try:
@@ -363,7 +388,7 @@ class NixlBackend:
 
     def deregister(self, handle: object) -> None:
         """Deregister what ``register`` returned ``handle`` for. Raises ConfigError for an unknown handle."""
-        with self._lock:
+        with self._gate.control:
             self._check_open()
             lists = self._regs.pop(handle, None) if isinstance(handle, int) else None
             if lists is None:
@@ -387,7 +412,7 @@ class NixlBackend:
         op = as_enum(Direction, direction, "direction").value
         lkind = as_enum(MemKind, local_kind, "local_kind").value
         rkind = as_enum(MemKind, remote_kind, "remote_kind").value
-        with self._lock:
+        with self._gate.data:
             self._check_peer(peer)
             a = self._agent
             ldl = self._nx.call("local descriptors", a.get_xfer_descs, local, lkind)
@@ -409,7 +434,7 @@ class NixlBackend:
         """
         arr = descriptor_table(table, "prepared")
         kind = as_enum(MemKind, kind, "kind")
-        with self._lock:
+        with self._gate.control:
             if peer is None:
                 self._check_open()
             else:
@@ -424,7 +449,7 @@ class NixlBackend:
 
     def unprepare(self, prep: int) -> None:
         """Release a prepared list. Unknown (or already released) ids are ignored."""
-        with self._lock:
+        with self._gate.control:
             self._check_open()
             entry = self._preps.pop(prep, None)
             if entry is not None:
@@ -441,7 +466,7 @@ class NixlBackend:
             PeerLostError / TransferFailedError: as for ``post``.
         """
         op = as_enum(Direction, direction, "direction").value
-        with self._lock:
+        with self._gate.data:
             self._check_peer(peer)
             lp, rp = self._prep(local_prep), self._prep(remote_prep)
             if lp[0] is not None:
@@ -471,60 +496,72 @@ class NixlBackend:
             self._nx.call("releasing a failed transfer", handle.release, allow_none=True)
             raise
         xid = next(self._ids)
-        self._xfers[xid] = handle
-        if status == "DONE":
-            self._done[xid] = XferState.DONE
+        with self._table:
+            self._xfers[xid] = _Xfer(handle, XferState.DONE if status == "DONE" else None)
         return xid
+
+    def _xfer(self, xfer: XferId) -> _Xfer:
+        self._check_open()
+        with self._table:
+            entry = self._xfers.get(xfer)
+        if entry is None:
+            raise ConfigError(f"unknown transfer id {xfer!r}")
+        return entry
 
     def state(self, xfer: XferId) -> XferState:
         """Poll one transfer. NIXL's "ERR" (or an exception while polling) reads as FAILED;
         the cause is kept and returned by ``failure(xfer)``."""
-        with self._lock:
-            self._check_open()
-            if xfer in self._done:
-                return self._done[xfer]
-            handle = self._xfers.get(xfer)
-            if handle is None:
-                raise ConfigError(f"unknown transfer id {xfer!r}")
-            try:
-                status = self._agent.check_xfer_state(handle)
-            except Exception as exc:
-                self._failures[xfer] = self._nx.error(f"polling transfer {xfer}", exc, TransferFailedError)
-                status = "ERR"
-            result = _STATES.get(status, XferState.FAILED)
-            if result is XferState.FAILED and xfer not in self._failures:
-                self._failures[xfer] = self._nx.error(f"transfer {xfer} (state {status!r})", None,
-                                                      TransferFailedError)
-            if result is not XferState.PENDING:
-                self._done[xfer] = result
-            return result
+        with self._gate.data:
+            entry = self._xfer(xfer)
+            if entry.state is not None:
+                return entry.state
+            with entry.lock:  # released meanwhile by another thread: it is no longer known
+                if entry.state is not None:
+                    return entry.state
+                if entry.handle is None:
+                    raise ConfigError(f"unknown transfer id {xfer!r} (released)")
+                try:
+                    status = self._agent.check_xfer_state(entry.handle)
+                except Exception as exc:
+                    entry.failure = self._nx.error(f"polling transfer {xfer}", exc, TransferFailedError)
+                    status = "ERR"
+                result = _STATES.get(status, XferState.FAILED)
+                if result is XferState.FAILED and entry.failure is None:
+                    entry.failure = self._nx.error(f"transfer {xfer} (state {status!r})", None, TransferFailedError)
+                if result is not XferState.PENDING:
+                    entry.state = result
+                return result
 
     def failure(self, xfer: XferId) -> KvxferError | None:
         """Why a FAILED transfer failed (a kvxfer error chaining NIXL's), or None."""
-        with self._lock:
-            return self._failures.get(xfer)
+        with self._table:
+            entry = self._xfers.get(xfer)
+        return None if entry is None else entry.failure
 
     def release(self, xfer: XferId) -> None:
         """Free a transfer's handle; NIXL cancels a pending one. Releasing twice is harmless."""
-        with self._lock:
+        with self._gate.data:
             self._check_open()
-            handle = self._xfers.pop(xfer, None)
-            self._done.pop(xfer, None)
-            self._failures.pop(xfer, None)
-            if handle is not None:
-                self._nx.call(f"releasing transfer {xfer}", handle.release, allow_none=True)
+            with self._table:
+                entry = self._xfers.pop(xfer, None)
+            if entry is None:
+                return
+            with entry.lock:  # waits only for a poll of this same transfer
+                handle, entry.handle = entry.handle, None
+                if handle is not None:
+                    self._nx.call(f"releasing transfer {xfer}", handle.release, allow_none=True)
 
     # ---- notifications ---------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer`` through NIXL's notification channel."""
-        with self._lock:
+        with self._gate.data:
             self._check_peer(peer)
             self._nx.call(f"send_notif to {peer!r}", self._agent.send_notif, peer, bytes(message),
                           allow_none=True)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last call, as (sender agent name, bytes)."""
-        with self._lock:
+        with self._gate.data:
             self._check_open()
             got = self._nx.call("get_new_notifs", self._agent.get_new_notifs)
         out = []

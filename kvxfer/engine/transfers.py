@@ -133,8 +133,12 @@ class _Request:
     # read's error (the producer's hold ended before the move completed) or None.
     verify: Callable[[], KvxferError | None] | None = None
     stats: TransferStats = field(init=False)
-    # One poller at a time; the poster holds it from before it launches until ``attach``, so the
-    # request cannot end (deadline, cancel) between a launch and the engine owning what it launched.
+    # Threads launching or posting its parts right now (``posting``, until ``attach``): while any
+    # is, the request cannot end (a deadline or a cancel only fails it), so nothing launched can
+    # outlive its handle; only ``_abandon`` ends it, once its deadline and the grace have passed.
+    posters: int = 0
+    # One poller at a time. Held only for bookkeeping and non-blocking polls: never across a post,
+    # a launch, a peer's I/O or a callback (those run after it is released).
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
@@ -306,31 +310,64 @@ class TransferEngine:
 
     def attach(self, req: "_Request", parts: list[Part], *, mode: TransferPath | None = None,
                setup_seconds: float = 0.0, started: bool = False, group: list | None = None) -> bool:
-        """Give a reserved request its parts and post those not yet running.
+        """Give a reserved request its parts, posting those not yet running (no ``job``).
 
-        ``started``: the parts' jobs are already running (an IPC kernel launched, a NIXL
-        transfer posted); they are attached even when the request failed meanwhile, so the
-        request ends only once they have (no byte lands after its handle ended). Otherwise, if
-        the request already failed (cancelled, timed out), nothing is posted and False is
-        returned. Returns False also when posting failed (the request then fails with the error).
-        ``group``: the requests sharing these parts' job (a step's one launch); polling one that
-        completes also completes those of them that may (``_poke``).
+        Parts already running (an IPC kernel launched, a NIXL transfer posted) are attached even
+        when the request failed meanwhile, so the request ends only once they have (no byte
+        lands after its handle ended). The rest are posted here, outside the request's lock
+        (``posting``), unless the request already failed (cancelled, timed out): then nothing
+        more goes out and False is returned. Returns False also when posting failed: the
+        request then fails with the error, and what was posted before the failure has ended (or
+        is left to its drain) when this returns. ``started``: the caller says every part runs
+        already (kept for callers; the parts' jobs decide). ``group``: the requests sharing these
+        parts' job (a step's one launch); polling one that completes also completes those of
+        them that may (``_poke``).
         """
         if mode is None:
             staged = any(p.job is None and p.plan.staging_bytes for p in parts)
             mode = TransferPath.HOST_STAGED if staged else TransferPath.DIRECT
+        if any(p.job is None for p in parts):
+            return self._post_parts(req, parts, mode, setup_seconds, group)
+        return self._attach_running(req, parts, mode, setup_seconds, group)
+
+    def _post_parts(self, req: "_Request", parts: list[Part], mode: TransferPath, setup_seconds: float,
+                    group: list | None) -> bool:
+        """Post the parts not running yet with no lock held, then attach every part."""
+        with self.posting([req]) as live:
+            if live:
+                try:
+                    for part in parts:
+                        self._post(req, part)
+                except BaseException as exc:
+                    error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
+                    self._fail(req, error)
+                    running = [p for p in parts if p.job is not None]
+                    stop_jobs([p.job for p in running], self._clock, self._grace)
+                    self._attach_running(req, running, mode, setup_seconds, group)
+                    return False
+                return self._attach_running(req, parts, mode, setup_seconds, group)
+        # Failed or ended before its post: nothing more goes out; what already runs is attached
+        # so that the request ends only with it.
+        running = [p for p in parts if p.job is not None]
+        if running:
+            self._attach_running(req, running, mode, setup_seconds, group)
+        return False
+
+    def _attach_running(self, req: "_Request", parts: list[Part], mode: TransferPath, setup_seconds: float,
+                        group: list | None) -> bool:
+        """Attach ``parts``, every one running; False if the request had ended (or was abandoned)."""
         with req.lock:
             if req.phase is Phase.QUARANTINED:
                 # Its deadline passed while this poster was still posting (``_abandon``): what it
                 # started is kept, so the blocks come back only once that has ended.
-                req.parts = [p for p in parts if p.job is not None]
+                req.parts = list(parts)
                 with self._lock:
                     req.move(Event.ATTACH)
                 return False
-            if req.finished or (req.error is not None and not started):
-                # Jobs given here already started only if the request ended under its poster
-                # (``close``): let them end before this returns, as a drain would.
-                stop_jobs([p.job for p in parts if p.job is not None], self._clock, self._grace)
+            if req.finished:
+                # Its jobs started only if the request ended under its poster (``close``): let
+                # them end before this returns, as a drain would.
+                stop_jobs([p.job for p in parts], self._clock, self._grace)
                 return False
             req.parts = list(parts)
             req.group = group
@@ -338,20 +375,12 @@ class TransferEngine:
             req.mode = req.stats.mode = mode
             req.count_parts()
             req.stats.setup_seconds = setup_seconds
-            try:
-                for part in req.parts:
-                    self._post(req, part)
-            except BaseException as exc:
-                error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"posting failed: {exc!r}")
-                self._fail(req, error)
-                self._end_parts(req, wait=True)
-                req.move(Event.ATTACH)
-                return False
             req.self_moving = bool(req.parts) and all(getattr(p.job, "moves_itself", False) for p in req.parts)
             with self._lock:
                 req.move(Event.ATTACH)
-            if not req.parts and req.error is None:  # nothing to move: landed at once
-                self._landed(req)
+            succeed = not req.parts and req.error is None and self._landed(req)  # nothing to move
+        if succeed:
+            self._succeed(req, Event.LANDED)
         if req.granted:
             req.handle._nudge()  # a waiter may poll it now (not before its grant: nothing to poll)
         return True
@@ -366,8 +395,8 @@ class TransferEngine:
                 landed = req.phase is Phase.MOVED
                 if not landed:
                     req.move(Event.GRANT)
-            if landed:
-                self._succeed(req, Event.GRANT)  # its bytes were in already: the grant completes it
+        if landed:
+            self._succeed(req, Event.GRANT)  # its bytes were in already: the grant completes it
         if req.posted:
             req.handle._nudge()  # a waiter may poll it now (not before its post: nothing to poll)
 
@@ -380,12 +409,27 @@ class TransferEngine:
 
     @contextlib.contextmanager
     def posting(self, reqs: list["_Request"]):
-        """Hold ``reqs`` while their parts are launched and attached; yields those still live
-        (neither failed nor ended). Use ``attach(..., started=True)`` inside for what was launched."""
-        with contextlib.ExitStack() as stack:
-            for req in reqs:
-                stack.enter_context(req.lock)
-            yield [req for req in reqs if not req.finished and req.error is None]
+        """Mark ``reqs`` as being posted while their parts are launched or posted and attached;
+        yields those still live (neither failed nor ended). Use ``attach(..., started=True)``
+        inside for what was launched.
+
+        No lock is held meanwhile (polls, grants and other requests' posts go on), but a marked
+        request cannot end: a deadline or a cancel only fails it, and its drain waits for this
+        poster to attach what it started. Only a poster still inside past the request's deadline
+        and the drain's grace loses it (``_abandon``: failed, its blocks quarantined until what
+        it attaches afterwards has ended)."""
+        live = []
+        for req in reqs:
+            with req.lock:
+                if lifecycle.live(req.phase):
+                    req.posters += 1
+                    live.append(req)
+        try:
+            yield live
+        finally:
+            for req in live:
+                with req.lock:
+                    req.posters -= 1
 
     def fail(self, req: "_Request", error: KvxferError) -> bool:
         """Fail a reserved or posted request (e.g. its claim was refused); it drains as any failure."""
@@ -443,9 +487,10 @@ class TransferEngine:
         try:
             for req in quarantined:
                 if not req.lock.acquire(blocking=False):
-                    continue  # its poster is still inside: what it attaches must end first
+                    continue  # polled meanwhile: next pass
                 try:
-                    ended = self._end_parts(req, wait=False)
+                    # its poster still inside: what it attaches must end first
+                    ended = not req.posters and self._end_parts(req, wait=False)
                 finally:
                     req.lock.release()
                 if ended:
@@ -467,31 +512,42 @@ class TransferEngine:
                 advance(0.0)
             if _watched(req, groups):
                 continue  # a waiter polls it or its group (a kernel or pipeline: polls only observe it)
-            # Never wait on a request's lock: its poster may be launching it (a slow peer's post
-            # must not hold up the others); it is polled on the next pass, or, once its deadline
-            # and the drain's grace have passed with its poster still inside, abandoned.
+            # Never wait on a request's lock (another thread polls it: next pass). A request
+            # whose poster is inside (``posting``) is not ended here: it is polled once its parts
+            # are attached, or, once its deadline and the drain's grace have passed with its
+            # poster still inside a backend call, abandoned.
             if not req.lock.acquire(blocking=False):
                 if self._overdue(req):
                     self._abandon(req)
                 continue
+            succeed, end, stuck = False, None, False
             try:
-                if not req.posted:
+                if req.posters:
+                    stuck = self._overdue(req)
+                elif not req.posted:
                     if req.error is None and req.deadline is not None and self._clock.now() >= req.deadline:
                         self._fail(req, TransferTimeoutError(
                             f"request {req.handle.request_id!r}: its timeout passed before its transfer was "
                             "posted (the producer did not answer in time)"))
                     if req.error is not None:
-                        self._drain(req)
-                    continue
-                if req.error is None:
-                    try:
-                        self._poll(req)
-                    except KvxferError as exc:
-                        self._fail(req, exc)
-                if req.error is not None:
-                    self._drain(req)
+                        end = self._drain(req)
+                else:
+                    if req.error is None:
+                        try:
+                            succeed = self._poll(req)
+                        except KvxferError as exc:
+                            self._fail(req, exc)
+                    if req.error is not None:
+                        end = self._drain(req)
             finally:
                 req.lock.release()
+            # what completes a handle (callbacks, notices, a hold word's look) runs unlocked
+            if stuck:
+                self._abandon(req)
+            elif succeed:
+                self._succeed(req, Event.LANDED)
+            elif end is not None:
+                end()
 
     def _poke(self, req: _Request, block: float = 0.0) -> bool | None:
         """Poll ``req`` once from its waiter's thread; nothing if another thread is polling it.
@@ -505,10 +561,13 @@ class TransferEngine:
         thread can move it on (a lane claiming it): a waiter then sleeps instead of spinning. A
         failure is recorded here and drained by the progress thread, like one it found."""
         if self._overdue(req):  # its poster stuck (maybe the progress thread itself): any poller ends it
-            if not req.lock.acquire(blocking=False):
+            stuck = not req.lock.acquire(blocking=False)
+            if not stuck:
+                stuck = req.posters > 0
+                req.lock.release()  # nobody inside: the usual pass fails and drains it
+            if stuck:
                 self._abandon(req)
                 return True
-            req.lock.release()  # nobody inside: the usual pass fails and drains it
         advance = req.advance
         if advance is not None and not (req.posted and req.granted) and not req.finished:
             with self._scope():
@@ -528,17 +587,20 @@ class TransferEngine:
     def _poll_once(self, req: _Request) -> None:
         if not req.lock.acquire(blocking=False):
             return
+        succeed = False
         try:
-            if req.finished or req.error is not None or self._closed:
+            if req.finished or req.error is not None or self._closed or req.posters:
                 return
             try:
-                self._poll(req)
+                succeed = self._poll(req)
             except KvxferError as exc:
                 self._fail(req, exc)
             except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
                 pass
         finally:
             req.lock.release()
+        if succeed:
+            self._succeed(req, Event.LANDED)
 
     def moving(self) -> int:
         """How the progress loop should poll: 2 while a posted request has a backend transfer
@@ -563,7 +625,10 @@ class TransferEngine:
                     return 2
         return level
 
-    def _poll(self, req: _Request) -> None:
+    def _poll(self, req: _Request) -> bool:
+        """Poll ``req``'s parts (its lock held). True: every part landed in its window and it is
+        granted: the caller succeeds it (``_succeed``) once the lock is released."""
+        succeed = False
         for part in req.parts:
             if not part.done and part.job.poll():
                 part.done = True
@@ -576,7 +641,7 @@ class TransferEngine:
                     f"request {req.handle.request_id!r} completed {req.all_done_at - req.deadline:.3f} s after "
                     "its window closed; the producer may have reused its blocks meanwhile")
             if req.phase is not Phase.MOVED:
-                self._landed(req)  # the bytes may have landed before the grant: success only after it
+                succeed = self._landed(req)  # the bytes may have landed before the grant: success only after it
             if req.phase is Phase.MOVED and req.deadline is not None and seen >= req.deadline:
                 raise TransferTimeoutError(
                     f"request {req.handle.request_id!r}: its producers had not granted the claim when its "
@@ -586,18 +651,18 @@ class TransferEngine:
                 f"request {req.handle.request_id!r}: {sum(p.done for p in req.parts)} of "
                 f"{len(req.parts)} parts complete when its deadline passed"
             )
+        return succeed
 
-    def _landed(self, req: _Request) -> None:
-        """Every part of ``req`` is done inside its window: it succeeds now if granted, else it
-        waits for its grant (MOVED)."""
+    def _landed(self, req: _Request) -> bool:
+        """Every part of ``req`` is done inside its window: True if it is granted (the caller
+        succeeds it, with no lock held), else it waits for its grant (MOVED)."""
         with self._lock:
             if not lifecycle.live(req.phase):
-                return
+                return False
             granted = req.phase is Phase.CLEARED
             if not granted:
                 req.move(Event.LANDED)
-        if granted:
-            self._succeed(req, Event.LANDED)
+        return granted
 
     def _succeed(self, req: _Request, event: Event) -> None:
         """``req`` moves to DONE by ``event`` (CLEARED landed, or MOVED granted) and its handle
@@ -672,23 +737,24 @@ class TransferEngine:
             req.drain_until = max(now, req.deadline if req.deadline is not None else now) + self._grace
         return True
 
-    def _drain(self, req: _Request, force: bool = False) -> None:
+    def _drain(self, req: _Request, force: bool = False) -> Callable[[], None] | None:
         """End a failed request: its handle fails once every transfer ended, or at ``drain_until``
-        (at once with ``force``) with its blocks quarantined until they do."""
+        (at once with ``force``) with its blocks quarantined until they do. Returns what fails
+        the handle, for the caller to run once it has let go of the request's lock (or None)."""
         ended = self._end_parts(req, wait=False)
         if not ended and not force and self._clock.now() < req.drain_until:
-            return
+            return None
         with self._lock:
             self._requests.pop(req.handle.request_id, None)
             if req.finished:
-                return
+                return None
             req.move(Event.ENDED if ended else Event.GIVE_UP)
             if not ended:
                 self._quarantine[req.handle.request_id] = req
         error = req.error
         if not ended:
             error.quarantined_blocks = req.blocks.tolist()
-        req.handle._finish(error=error)
+        return partial(req.handle._finish, error=error)
 
     def _end_parts(self, req: _Request, wait: bool) -> bool:
         """Cancel every job of ``req``; True once none can write any more.
@@ -728,4 +794,6 @@ class TransferEngine:
             self._fail(req, ClosedError(f"agent closed while request {req.handle.request_id!r} was in flight"))
         for req in requests:
             self._end_parts(req, wait=True)
-            self._drain(req, force=True)
+            end = self._drain(req, force=True)
+            if end is not None:
+                end()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import numpy as np
@@ -94,6 +95,94 @@ def test_notifications_both_ways(link):
     while not got and time.monotonic() < deadline:
         got = local.notifications()
     assert got == [("remote", b"pong")]
+
+
+def test_a_stalled_post_holds_up_no_other_transfer(link):
+    """One thread's post stuck inside NIXL (a slow peer) must not stop another thread from
+    posting, polling and releasing its own transfer: data calls run side by side. With one
+    agent-wide lock around every NIXL call (before), the second read waited for the first."""
+    local, _, buf, remote_addr, _ = link
+    inside, let_go = threading.Event(), threading.Event()
+    real = local._agent.transfer
+
+    def transfer(*args, **kwargs):  # the first post to come through stalls
+        if not inside.is_set():
+            inside.set()
+            let_go.wait(20)
+        return real(*args, **kwargs)
+
+    chunk = 1 << 20
+    stalled_ids, other = [], {}
+
+    def stalled():
+        stalled_ids.append(local.post(Direction.READ, descs(np.array([buf.ctypes.data]), chunk, 0), DRAM,
+                                      descs(np.array([remote_addr + 32 * chunk]), chunk, 0), DRAM, "remote", b"stall"))
+
+    def second():
+        x = local.post(Direction.READ, descs(np.array([buf.ctypes.data + chunk]), chunk, 0), DRAM,
+                       descs(np.array([remote_addr + 37 * chunk]), chunk, 0), DRAM, "remote", b"other")
+        other["state"] = wait(local, x, timeout=10)
+        local.release(x)
+
+    buf[: 2 * chunk] = 0
+    local._agent.transfer = transfer
+    first = threading.Thread(target=stalled)
+    runner = threading.Thread(target=second)
+    try:
+        first.start()
+        assert inside.wait(10)
+        runner.start()
+        runner.join(8)
+        finished_alongside = not runner.is_alive()
+    finally:
+        let_go.set()
+        first.join(20)
+        if runner.ident is not None:
+            runner.join(20)
+        del local._agent.transfer
+    assert finished_alongside, "the second read waited for the stalled post"
+    assert other["state"] is XferState.DONE
+    assert np.array_equal(buf[chunk: 2 * chunk], pattern(SIZE, SEED)[37 * chunk: 38 * chunk])
+    assert wait(local, stalled_ids[0]) is XferState.DONE
+    local.release(stalled_ids[0])
+    assert np.array_equal(buf[:chunk], pattern(SIZE, SEED)[32 * chunk: 33 * chunk])
+
+
+def test_many_threads_post_poll_and_release_together(link):
+    """Eight threads each post, poll (racing each other's polls of the same transfer) and
+    release reads of distinct slices: every read lands exactly, no call fails."""
+    local, _, buf, remote_addr, _ = link
+    size, n, base = 256 << 10, 8, 40 << 20  # remote slices no other test writes
+    buf[: n * size] = 0
+    expected = pattern(SIZE, SEED)
+    errors, xids = [], [None] * n
+    barrier = threading.Barrier(n)
+
+    def one(i):
+        try:
+            barrier.wait(10)
+            xids[i] = local.post(Direction.READ, descs(np.array([buf.ctypes.data + i * size]), size, 0), DRAM,
+                                 descs(np.array([remote_addr + base + (n - 1 - i) * size]), size, 0), DRAM, "remote", b"")
+            peer_id = xids[(i + 1) % n]  # poll a neighbour's transfer too, when it exists
+            while local.state(xids[i]) is XferState.PENDING:
+                if peer_id is not None:
+                    try:
+                        local.state(peer_id)
+                    except ConfigError:
+                        pass  # released by its owner meanwhile: unknown, as documented
+            assert local.state(xids[i]) is XferState.DONE
+            local.release(xids[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for i in range(n):
+        assert np.array_equal(buf[i * size: (i + 1) * size], expected[base + (n - 1 - i) * size: base + (n - i) * size])
 
 
 def test_unregistered_remote_range_is_registration_error(link):

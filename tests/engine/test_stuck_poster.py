@@ -1,6 +1,7 @@
 """A poster stuck inside a backend call never holds a handle past its deadline.
 
-The poster of a request holds its lock from before it posts until ``attach``. If the backend's
+The poster of a request marks it (``TransferEngine.posting``) from before it posts until
+``attach``, so the request cannot end meanwhile. If the backend's
 call does not return (a transport hanging on a dead peer), the deadline must still end the
 handle: once the deadline and the drain's grace have passed, any poller (the progress pass, a
 waiter's ``done()``) fails it with its destination blocks quarantined, and what the poster
@@ -51,8 +52,8 @@ def test_a_request_whose_poster_is_stuck_ends_by_its_deadline_and_its_late_parts
     job = RunningJob()
     result = []
 
-    def poster():  # holds the request's lock inside a backend call that does not return, then attaches
-        with req.lock:
+    def poster():  # marked as the request's poster inside a backend call that does not return, then attaches
+        with engine.posting([req]):
             inside.set()
             back.wait(10)
             result.append(engine.attach(req, [Part("peer", None, MemKind.VRAM, b"", job=job)], started=True))
