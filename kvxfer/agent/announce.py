@@ -26,7 +26,7 @@ from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import Announce, Refuse
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["AnnounceJob", "Announcement", "AnnouncementBook", "MAX_ANNOUNCED", "start_announce"]
 
@@ -104,16 +104,16 @@ class AnnouncementBook:
 class AnnounceJob(LaneJob):
     """The consumer's ``Announce`` round trip, on the producer's lane."""
 
-    def __init__(self, agent: "Agent", remote: tuple[str, int], message: Announce, deadline: float | None) -> None:
+    def __init__(self, agent: "AgentParts", remote: tuple[str, int], message: Announce, deadline: float | None) -> None:
         self.agent, self.remote, self.message, self.deadline = agent, remote, message, deadline
 
-    def run(self, agent: "Agent") -> None:
+    def run(self, agent: "AgentParts") -> None:
         timeout = agent.config.handshake_timeout
         if self.deadline is not None:
-            timeout = max(1e-3, min(timeout, self.deadline - agent._clock.now()))
+            timeout = max(1e-3, min(timeout, self.deadline - agent.clock.now()))
         host, port = self.remote
         try:
-            reply = agent._peers.call(host, port, lambda link: link.ask(self.message, timeout))
+            reply = agent.peers.call(host, port, lambda link: link.ask(self.message, timeout))
         except KvxferError as exc:
             self.fail(exc)
             return
@@ -127,25 +127,25 @@ class AnnounceJob(LaneJob):
         if isinstance(error, PeerLostError):
             error = PeerLostError(f"announce of {self.message.request_id!r} to {self.remote[0]}:{self.remote[1]}: "
                                   f"{error}")
-        self.agent._reports.push_failed(self.message.request_id, error)
+        self.agent.reports.push_failed(self.message.request_id, error)
 
 
-def start_announce(agent: "Agent", remote, request_id: str, block_ids, payload: bytes, producers: int,
+def start_announce(agent: "AgentParts", remote, request_id: str, block_ids, payload: bytes, producers: int,
                    timeout: float | None) -> None:
     """``Agent.announce``: check the arguments (raises at once), expect the push, queue the round trip."""
-    agent._check_open()
-    agent._require_cache()
-    if agent._address is None:
+    agent.check_open()
+    agent.require_cache()
+    if agent.address is None:
         raise ConfigError("announce needs this agent's listener: call listen() first")
     request_id = checked_id(request_id)
     blocks = check_block_ids("block_ids", block_ids, agent.spec.num_blocks)
     payload = checked_payload(payload, "payload")
     producers = check_count(producers, "producers", 1)
-    deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent._clock.now())
+    deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent.clock.now())
     remote = address(remote)
-    agent._reports.expect_writes(request_id, producers, None, deadline)
-    message = Announce(request_id, agent.engine_id, blocks.tolist(), agent._address[0], agent._address[1], payload)
-    agent._lanes.put(remote, AnnounceJob(agent, remote, message, deadline))
+    agent.reports.expect_writes(request_id, producers, None, deadline)
+    message = Announce(request_id, agent.engine_id, blocks.tolist(), agent.address[0], agent.address[1], payload)
+    agent.lanes.put(remote, AnnounceJob(agent, remote, message, deadline))
 
 
 def aborted_error(request_id: str) -> LeaseExpiredError:

@@ -30,6 +30,7 @@ from kvxfer.agent.args import address, request_id as checked_id, request_ids as 
 from kvxfer.agent.jobs import Deferred
 from kvxfer.agent.submit import AbortJob, Submissions
 from kvxfer.agent.metrics import AgentMetrics
+from kvxfer.agent.parts import AgentParts
 from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
@@ -61,6 +62,12 @@ __all__ = ["Agent", "Finished"]
 log = logging.getLogger("kvxfer.agent")
 
 
+def _part(name: str) -> property:
+    """An attribute of the Agent kept in its ``AgentParts``, where the modules doing its work read it."""
+    return property(lambda self: getattr(self._parts, name),
+                    lambda self, value: setattr(self._parts, name, value))
+
+
 class Agent:
     """One TP rank's KV-transfer endpoint. Use as a context manager, or call ``close``.
 
@@ -74,6 +81,16 @@ class Agent:
             ``kvxfer.testing.MemoryTransport`` to need no ports).
     """
 
+    # The Agent's parts live in one ``AgentParts`` (``self._parts``), handed to the modules doing
+    # its work; these private names are the Agent's own views of them.
+    _clock, _backend, _codec, _registry = _part("clock"), _part("backend"), _part("codec"), _part("registry")
+    _reports, _announced, _leases, _service = _part("reports"), _part("announced"), _part("leases"), _part("service")
+    _peers, _claims, _done, _reads = _part("peers"), _part("claims"), _part("done"), _part("reads")
+    _tokens, _submit, _lanes, _metrics = _part("tokens"), _part("submit"), _part("lanes"), _part("metrics")
+    _view, _paths, _engine, _words = _part("view"), _part("paths"), _part("engine"), _part("words")
+    _address, _closed, _expired_at, _wake = _part("address"), _part("closed"), _part("expired_at"), _part("wake")
+    _read_remotes = _part("read_remotes")
+
     def __init__(self, name: str, spec: KVSpec, config: AgentConfig | None = None, *,
                  backend: Backend | None = None, clock: Clock | None = None,
                  transport: Transport | None = None) -> None:
@@ -86,7 +103,7 @@ class Agent:
         self.spec = spec
         self.config = config or AgentConfig.from_env()
         self.engine_id = new_engine_id(name)
-        self._clock = clock or MonotonicClock()
+        clock = clock or MonotonicClock()
         if backend is None:
             from kvxfer.backend.nixl import NixlBackend  # lazy: only this module of the agent needs nixl
 
@@ -95,40 +112,36 @@ class Agent:
                      " (auto: by this process's cores)" if self.config.nixl_progress_thread is None else "")
             backend = NixlBackend(f"{self.engine_id}", self.config.backends, self.config.num_threads,
                                   progress_thread=thread)
-        self._backend = backend
+        self._parts = parts = AgentParts(spec, self.config, self.engine_id, clock, backend)
+        # hooks look the Agent's method up at each call (an instance may replace one)
+        parts.check_open = lambda: self._check_open()
+        parts.require_cache = lambda: self._require_cache()
+        parts.links_for = lambda *args, **kwargs: self._links_for(*args, **kwargs)
+        parts.peer_info = lambda: self._peer_info()
+        parts.on_read_done = lambda handle: self._on_read_done(handle)
         self._codec = Codec(compat_hash(spec), key=self.config.auth_key,
                             max_bytes=self.config.max_message_bytes)
         self._registry = MemoryRegistry(backend)
-        self._view: CacheView | None = None
-        self._engine: TransferEngine | None = None
         self._reports = Reports(clock=self._clock.now)
         self._announced = AnnouncementBook(self.config.lease_timeout, clock=self._clock.now)
-        self._words: HoldWords | None = None  # this producer's hold words (set by register)
         self._words_addr = 0                  # their address as registered with the backend (0: not)
         self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release, on_hold=self._on_hold)
-        self._service = ProducerService(self)
+        self._service = ProducerService(parts)
         self._transport: Transport = transport or ZmqTransport()
         self._server: Listener | None = None
-        self._address: tuple[str, int] | None = None
         self._peers = PeerDirectory(self._codec, self._peer_info, backend.add_peer,
                                     backend.remove_peer, self.config.handshake_timeout,
                                     getattr(backend, "connect", None), channel=self._transport.channel,
                                     express=self.config.express_port is not None)
         self._claims = Claims(self._peers, self.engine_id, self.config.handshake_timeout, defer=self._defer)
-        self._paths: ReadPaths | None = None    # the transfer paths and the staged reads' packer (set by register)
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
-        self._reads = ReadFlow(self)
-        self._tokens = TokenReads(self)
-        self._read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
-        self._submit = Submissions(self)
+        self._reads = ReadFlow(parts)
+        self._tokens = TokenReads(parts)
+        self._submit = Submissions(parts)
         self._lanes = PeerLanes("kvxfer-peer", self._submit.run_lane, self._submit.lane_crashed)
-        self._closed = False
         self._setup = threading.Lock()  # register and listen run once each, whichever thread calls
-        self._wake = threading.Event()
-        self._expired_at = 0.0  # when leases were last expired (``drive_once``)
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
         self._thread.start()
-        self._metrics: AgentMetrics | None = None
         if self.config.metrics_port is not None:
             try:
                 self._metrics = AgentMetrics(self.stats, self.config.metrics_port,
@@ -446,7 +459,7 @@ class Agent:
         Raises (at once): BlockIdError, ConfigError (``producers``, ``timeout``, ``payload``, no
         listener), ClosedError.
         """
-        start_announce(self, remote, request_id, block_ids, payload, producers, timeout)
+        start_announce(self._parts, remote, request_id, block_ids, payload, producers, timeout)
 
     def announced(self, request_id: str) -> tuple[Announcement, ...]:
         """Producer: the consumers' announcements of ``request_id`` (``Announcement``: consumer
@@ -471,7 +484,7 @@ class Agent:
         self._check_open()
         self._require_cache()
         timeout = self.config.transfer_timeout if timeout is None else timeout
-        return WriteStream(self, address(remote), checked_id(request_id), timeout)
+        return WriteStream(self._parts, address(remote), checked_id(request_id), timeout)
 
     def take_aux(self, request_id: str) -> dict[str, bytes]:
         """Consumer: the aux payloads that came with a received push of ``request_id``, by producer
@@ -514,7 +527,7 @@ class Agent:
             if key is not None:
                 self._lanes.put(key, AbortJob(request_id, remote, links))
             return None
-        return tell_abort(self, request_id, remote, links)
+        return tell_abort(self._parts, request_id, remote, links)
 
     def keepalive(self, remote: tuple[str, int], request_ids: Sequence[str]) -> KeepaliveResult:
         """Heartbeat: extend the producer's leases of requests still wanted, at every rank of the
@@ -533,7 +546,7 @@ class Agent:
                 request ids (a lone str is refused: pass ``[request_id]``).
         """
         self._check_open()
-        return send_keepalive(self, address(remote), checked_ids(request_ids))
+        return send_keepalive(self._parts, address(remote), checked_ids(request_ids))
 
     # ---- an engine's step -------------------------------------------------------------
     def poll(self) -> int:
@@ -552,7 +565,7 @@ class Agent:
         quarantined ones included). Raises ClosedError once closed.
         """
         self._check_open()
-        drive_once(self)
+        drive_once(self._parts)
         return self._engine.in_flight() if self._engine is not None else 0
 
     # ---- reporting -----------------------------------------------------------------
@@ -677,4 +690,4 @@ class Agent:
         plan.unpack_numpy(staging, lambda layer, kv: host_view(int(geometry.bases[layer, kv]), spec.region_bytes))
 
     def _progress_loop(self) -> None:
-        run_progress(self)
+        run_progress(self._parts)

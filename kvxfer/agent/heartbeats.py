@@ -15,33 +15,33 @@ from kvxfer.protocol import Heartbeat
 from kvxfer.types import AbortOutcome, KeepaliveResult
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["send_keepalive", "tell_abort"]
 
 log = logging.getLogger("kvxfer.agent")
 
 
-def tell_abort(agent: "Agent", request_id: str, remote, links) -> AbortOutcome:
+def tell_abort(agent: "AgentParts", request_id: str, remote, links) -> AbortOutcome:
     """Tell the producer ranks (``links``, or those of the instance at ``remote``) to release
     ``request_id``; the worst rank's outcome (NOT_TOLD: nobody to tell)."""
     if links is None and remote is not None:
         try:
-            links = [link for group in agent._links_for(remote) for link in group]
+            links = [link for group in agent.links_for(remote) for link in group]
         except KvxferError as exc:
             log.warning("abort of %r at %s:%s: %s", request_id, remote[0], remote[1], exc)
             return AbortOutcome.UNREACHABLE
     if not links:
         return AbortOutcome.NOT_TOLD
-    return AbortOutcome.combine([agent._claims.abort_at(link, request_id) for link in links])
+    return AbortOutcome.combine([agent.claims.abort_at(link, request_id) for link in links])
 
 
-def send_keepalive(agent: "Agent", remote: tuple[str, int], request_ids: Sequence[str]) -> KeepaliveResult:
+def send_keepalive(agent: "AgentParts", remote: tuple[str, int], request_ids: Sequence[str]) -> KeepaliveResult:
     """``Agent.keepalive``: one heartbeat to every rank of the instance at ``remote`` this rank
     depends on. Raises ClosedError only."""
     beat = Heartbeat(list(request_ids), agent.engine_id)
     try:
-        links = [link for group in agent._links_for(remote) for link in group]
+        links = [link for group in agent.links_for(remote) for link in group]
     except KvxferError as exc:
         log.warning("keepalive at %s:%s: %s", remote[0], remote[1], exc)
         return KeepaliveResult(unreachable=((remote[0], int(remote[1])),))
@@ -49,7 +49,7 @@ def send_keepalive(agent: "Agent", remote: tuple[str, int], request_ids: Sequenc
     unreachable: list[tuple[str, int]] = []
     for link in links:
         try:
-            ack = agent._peers.call(link.host, link.port,
+            ack = agent.peers.call(link.host, link.port,
                                     lambda lk: lk.ask(beat, agent.config.handshake_timeout))
         except ClosedError:
             raise

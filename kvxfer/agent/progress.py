@@ -15,34 +15,34 @@ from kvxfer.errors import ClosedError, KvxferError
 from kvxfer.protocol import decode_notification
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["drive_once", "on_notification", "run_progress"]
 
 log = logging.getLogger("kvxfer.agent")
 
 
-def on_notification(agent: "Agent", peer: str, data: bytes) -> None:
+def on_notification(agent: "AgentParts", peer: str, data: bytes) -> None:
     """One backend notification: a staged pipeline's message, or a request-done notice."""
-    if agent._paths is not None and agent._paths.deliver(peer, data):
+    if agent.paths is not None and agent.paths.deliver(peer, data):
         return  # a staged pipeline's message, routed to its transfer
     try:
         request_id, engine_id = decode_notification(data, agent.config.auth_key)
     except KvxferError as exc:
         log.warning("dropping a bad notification from %s: %s", peer, exc)
         return
-    if agent._leases.done(request_id, engine_id) or agent._leases.held(request_id):
+    if agent.leases.done(request_id, engine_id) or agent.leases.held(request_id):
         return
-    agent._reports.write_arrived(request_id, engine_id)
+    agent.reports.write_arrived(request_id, engine_id)
 
 
-def drive_once(agent: "Agent") -> tuple[bool, int]:
+def drive_once(agent: "AgentParts") -> tuple[bool, int]:
     """One pass over everything that moves: transfers (and the claims they wait for), staged
     pipelines, notifications, lease expiry. Runs on the progress thread and in ``Agent.poll``
     (an engine's own thread); both may run it at once: each request is polled by one thread at
     a time. Returns (busy: poll again without sleeping, moving: ``TransferEngine.moving``)."""
     busy, moving = False, 0
-    engine = agent._engine
+    engine = agent.engine
     if engine is not None:
         # Spin only while bytes move: a request still claiming on its lane needs no polls, and
         # a spinning loop would take the interpreter from that lane.
@@ -50,22 +50,22 @@ def drive_once(agent: "Agent") -> tuple[bool, int]:
         busy = moving == 2
         if moving or engine.in_flight():
             engine.progress()
-        if agent._paths.pipelines_active():
+        if agent.paths.pipelines_active():
             busy = True  # pipelines wait on notifications: deliver them at once
-            agent._paths.packer.reap()
-    for peer, data in agent._backend.notifications():
+            agent.paths.packer.reap()
+    for peer, data in agent.backend.notifications():
         on_notification(agent, peer, data)
-    now = agent._clock.now()
-    if now - agent._expired_at > 0.01:
-        agent._expired_at = now
-        agent._leases.expire()
+    now = agent.clock.now()
+    if now - agent.expired_at > 0.01:
+        agent.expired_at = now
+        agent.leases.expire()
     return busy, moving
 
 
-def run_progress(agent: "Agent") -> None:
+def run_progress(agent: "AgentParts") -> None:
     """The loop, until the agent closes."""
-    wake = agent._wake
-    while not agent._closed:
+    wake = agent.wake
+    while not agent.closed:
         # Cleared before the pass, not after the wait: a wake-up that comes during the pass
         # makes the wait below return at once instead of being lost.
         wake.clear()
@@ -85,4 +85,4 @@ def run_progress(agent: "Agent") -> None:
         elif moving == 1:  # kernels, pipelines or claims' answers in flight: look again soon, not in a spin
             wake.wait(0.0002)
         else:
-            wake.wait(0.001 if len(agent._leases) else 0.005)
+            wake.wait(0.001 if len(agent.leases) else 0.005)

@@ -52,7 +52,7 @@ from kvxfer.layout import notify_ranks, peer_ranks
 from kvxfer.types import TransferPath
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
     from kvxfer.agent.peers import PeerLink
 
 __all__ = ["PendingRead", "ReadFlow", "ReadStep", "links_for", "rank_port", "ready_links"]
@@ -131,7 +131,7 @@ def _same(a: list, b: list) -> bool:
 class ReadFlow:
     """Runs the reads queued for one producer (see the module doc). Owned by an ``Agent``."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "AgentParts") -> None:
         self._agent = agent
 
     # ---- on the caller's thread -------------------------------------------------------
@@ -149,7 +149,7 @@ class ReadFlow:
         links = ready[0]
         live = [r for r in reads if r.live and r.route is None]
         try:
-            if agent._paths.kernel_serves(links):
+            if agent.paths.kernel_serves(links):
                 self._route_step(live, links)
             else:
                 for r in live:
@@ -174,7 +174,7 @@ class ReadFlow:
         # An IPC kernel starts before its claim leaves: the claim's round trip overlaps it.
         self.launch(routed)
         try:
-            sent = agent._claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in routed],
+            sent = agent.claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in routed],
                                                links[0], wait)
         except KvxferError:
             sent = None  # the lane's own send meets it again and reports it
@@ -183,8 +183,8 @@ class ReadFlow:
         started = time.perf_counter()
         for r, answer in zip(routed, sent):
             r.claim_started, r.sent = started, answer
-        step = ReadStep(self, routed, links)
-        agent._engine.on_advance([r.req for r in routed], step.advance)
+        step = ReadStep(self._agent.claims, self._settle, routed, links)
+        agent.engine.on_advance([r.req for r in routed], step.advance)
         return True
 
     def _start_tokened(self, routed: list[PendingRead], links: list) -> list[PendingRead]:
@@ -192,7 +192,7 @@ class ReadFlow:
         (``TokenReads``; docs/reliability.md, "hold tokens"): granted now, the engine looks at the
         producer's word once their move completed (``_Request.verify``). Returns the others."""
         agent = self._agent
-        view = agent._tokens.view(links[0]) if any(r.token is not None for r in routed) else None
+        view = agent.tokens.view(links[0]) if any(r.token is not None for r in routed) else None
         if view is None:
             return routed
         tokened = [r for r in routed if r.token is not None and (
@@ -202,8 +202,8 @@ class ReadFlow:
             return routed
         for r in tokened:
             r.tokened = True
-            r.req.verify = agent._tokens.verifier(view, r.request_id, r.token)
-            agent._engine.grant(r.req)
+            r.req.verify = agent.tokens.verifier(view, r.request_id, r.token)
+            agent.engine.grant(r.req)
         self.launch(tokened)
         direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]
         if direct:
@@ -211,7 +211,7 @@ class ReadFlow:
         for r in tokened:
             if r.route.mode is TransferPath.IPC and r.live:
                 r.req.handle.done()  # its kernel may have passed already
-        agent._wake.set()
+        agent.wake.set()
         chosen = {id(r) for r in tokened}
         return [r for r in routed if id(r) not in chosen]
 
@@ -230,7 +230,7 @@ class ReadFlow:
                 self._route(r, links)
             return
         try:
-            route = agent._paths.plan(links, np.concatenate([r.local for r in plain]),
+            route = agent.paths.plan(links, np.concatenate([r.local for r in plain]),
                                       np.concatenate([r.remote_ids for r in plain]), plain[0].request_id,
                                       plain[0].note)
         except KvxferError:
@@ -262,13 +262,13 @@ class ReadFlow:
             if not pending:
                 return
             try:
-                links, notify_only = links_for(self._agent._peers, self._agent.spec, remote,
+                links, notify_only = links_for(self._agent.peers, self._agent.spec, remote,
                                                self._time_left(pending))
             except KvxferError as exc:
                 self._fail_all(pending, exc)
                 for r in pending:  # a claim sent from the caller's thread: its grant goes back
                     if r.sent is not None:
-                        self._agent._claims.undo(r.request_id, r.sent)
+                        self._agent.claims.undo(r.request_id, r.sent)
                         r.sent = None
                 return
             stale = [r for r in pending if r.route is not None and not _same(r.route.links, links)]
@@ -278,14 +278,14 @@ class ReadFlow:
             kept = {id(r) for r in routed}
             for r in pending:  # claimed on the caller's thread, then failed routing: give it back
                 if r.sent is not None and id(r) not in kept:
-                    self._agent._claims.undo(r.request_id, r.sent)
+                    self._agent.claims.undo(r.request_id, r.sent)
                     r.sent = None
             if not routed:
                 return
             lost = self._claim([r for r in routed if r.sent is None], links + notify_only)
             if lost and attempt == 1:
                 for link in links + notify_only:
-                    self._agent._peers.drop(link)
+                    self._agent.peers.drop(link)
             elif lost:
                 for r in lost:
                     self._fail(r, r.sent_error)
@@ -308,7 +308,7 @@ class ReadFlow:
         try:
             if r.same_format:
                 _check_same_format(agent.spec, links)
-            r.route = agent._paths.plan(links, r.local, r.remote_ids, r.request_id, r.note,
+            r.route = agent.paths.plan(links, r.local, r.remote_ids, r.request_id, r.note,
                                         num_tokens=r.num_tokens)
             return True
         except KvxferError as exc:
@@ -319,7 +319,7 @@ class ReadFlow:
         """Send every read's claim (one message per rank); returns the reads whose claim could not
         even be sent because the peer was lost (they may retry: a kernel already launched is
         launched again on the fresh links, after the first on the same stream)."""
-        claims = self._agent._claims
+        claims = self._agent.claims
         try:
             wait = self._time_left(reads)
         except TransferTimeoutError as exc:
@@ -347,7 +347,7 @@ class ReadFlow:
         if len(staged) == 1:
             r = staged[0]
             try:
-                agent._paths.send_packs(r.route, r.timeout, self._time_left([r]))
+                agent.paths.send_packs(r.route, r.timeout, self._time_left([r]))
             except KvxferError as exc:
                 self._fail(r, exc)
 
@@ -356,14 +356,14 @@ class ReadFlow:
         (``ReadPaths.launch_ipc``); each read attaches its members of it."""
         if not reads:
             return
-        agent, engine = self._agent, self._agent._engine
+        agent, engine = self._agent, self._agent.engine
         with engine.posting([r.req for r in reads]) as live_reqs:
             live = [r for r in reads if r.req in live_reqs]
             if not live:
                 return
             links = live[0].route.links
             try:
-                parts = agent._paths.launch_ipc(links, [StepRead(r.local, r.remote_ids, r.note) for r in live])
+                parts = agent.paths.launch_ipc(links, [StepRead(r.local, r.remote_ids, r.note) for r in live])
             except KvxferError as exc:
                 for r in live:
                     self._fail(r, exc)
@@ -371,7 +371,7 @@ class ReadFlow:
             group = [r.req for r in live]
             for r, read_parts in zip(live, parts):
                 for link, part in zip(links, read_parts):
-                    part.on_done = partial(agent._done.send, link, r.request_id)
+                    part.on_done = partial(agent.done.send, link, r.request_id)
                 r.launched = r.route
                 self._attach(r, read_parts, started=True, group=group)
 
@@ -385,31 +385,31 @@ class ReadFlow:
         for r in alone:
             self._post_direct(r)
         reads = [r for r in reads if r not in alone]
-        with agent._engine.posting([r.req for r in reads]) as live_reqs:
+        with agent.engine.posting([r.req for r in reads]) as live_reqs:
             live = [r for r in reads if r.req in live_reqs]
-            parts, failed = agent._paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
+            parts, failed = agent.paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
                                                      for r in live])
             for i, (r, read_parts) in enumerate(zip(live, parts)):
                 if r.tokened:  # a lone part's notice, too, goes once the word matched (after success)
                     for part in read_parts:
                         if part.job is None and part.notification:
-                            part.on_done = partial(agent._backend.notify, part.peer, part.notification)
+                            part.on_done = partial(agent.backend.notify, part.peer, part.notification)
                             part.notification = b""
                 if i in failed:
                     self._fail(r, failed[i])
-                    agent._claims.give_back(r.request_id)  # on the producer's lane, after the failure
+                    agent.claims.give_back(r.request_id)  # on the producer's lane, after the failure
                 # a failed read's parts to other ranks, if posted, are attached: it ends only with them;
                 # lone parts (no job yet) are posted by the engine here, with their notification
                 self._attach(r, read_parts, started=True)
-        agent._wake.set()
+        agent.wake.set()
 
     def _post_direct(self, r: PendingRead) -> None:
         """Post a granted direct read (its NIXL transfer carries the completion notification)."""
         agent = self._agent
-        parts = agent._paths.start(r.route, r.timeout, 0.0)
-        with agent._engine.posting([r.req]):
+        parts = agent.paths.start(r.route, r.timeout, 0.0)
+        with agent.engine.posting([r.req]):
             if not self._attach(r, parts, started=False):
-                agent._claims.give_back(r.request_id)  # not posted (failed meanwhile): no read comes
+                agent.claims.give_back(r.request_id)  # not posted (failed meanwhile): no read comes
 
     def _attach(self, r: PendingRead, parts: list, started: bool, group: list | None = None) -> bool:
         agent = self._agent
@@ -417,9 +417,9 @@ class ReadFlow:
         done_links = list(route.links) if route.chunked else []
         done_links += [lk for lk in self._notify_only(r)]
         if done_links:
-            r.req.on_success = lambda: [agent._done.send(link, r.request_id) for link in done_links]
+            r.req.on_success = lambda: [agent.done.send(link, r.request_id) for link in done_links]
         mode = None if route.mode is TransferPath.DIRECT else route.mode
-        return agent._engine.attach(r.req, parts, mode=mode, setup_seconds=time.perf_counter() - r.started,
+        return agent.engine.attach(r.req, parts, mode=mode, setup_seconds=time.perf_counter() - r.started,
                                     started=started, group=group)
 
     def _notify_only(self, r: PendingRead) -> list:
@@ -428,7 +428,7 @@ class ReadFlow:
     def _settle(self, reads: list[PendingRead], links: list) -> None:
         """Take each read's claim answers: grant it (staged reads start now) or fail it."""
         agent = self._agent
-        claims = agent._claims
+        claims = agent.claims
         previous = None  # the batch's last staged read started
         direct: list[PendingRead] = []  # granted direct reads: posted together after the answers
         kernels: dict[int, PendingRead] = {}  # a granted IPC read per launch: polled once, below
@@ -440,13 +440,13 @@ class ReadFlow:
                 claims.answers(r.request_id, r.sent)
             except KvxferError as exc:
                 if staged:
-                    agent._paths.drop_packs(r.route)
+                    agent.paths.drop_packs(r.route)
                 self._fail(r, exc)
                 continue
             claimed = time.perf_counter() - r.claim_started
             if not r.live:  # failed (routing, abort, deadline) meanwhile: the grant is not wanted
                 if staged:
-                    agent._paths.drop_packs(r.route)
+                    agent.paths.drop_packs(r.route)
                 claims.give_back(r.request_id)
                 continue
             if r.route.mode is TransferPath.DIRECT:
@@ -460,10 +460,10 @@ class ReadFlow:
                     continue
                 previous = r
                 for link, part in zip(r.route.links, parts):
-                    part.on_done = partial(agent._done.send, link, r.request_id)
-                with agent._engine.posting([r.req]):
+                    part.on_done = partial(agent.done.send, link, r.request_id)
+                with agent.engine.posting([r.req]):
                     self._attach(r, parts, started=True)
-            agent._engine.grant(r.req, claim_seconds=claimed)
+            agent.engine.grant(r.req, claim_seconds=claimed)
             if r.route.mode is TransferPath.STAGED:
                 r.req.handle.done()
             elif r.route.mode is TransferPath.IPC:
@@ -473,7 +473,7 @@ class ReadFlow:
         for r in kernels.values():
             r.req.handle.done()
         if kernels or previous is not None:
-            agent._wake.set()
+            agent.wake.set()
         if direct:
             self._post_direct_many(direct)
 
@@ -483,17 +483,17 @@ class ReadFlow:
         started at once could each hold what the other needs until their deadlines."""
         agent = self._agent
         if previous is not None:
-            left = None if r.deadline is None else max(0.0, r.deadline - agent._clock.now())
+            left = None if r.deadline is None else max(0.0, r.deadline - agent.clock.now())
             try:
                 previous.req.handle.wait(left)
             except KvxferError:
                 pass  # it failed or is still running: either way this one waited its turn
-        return agent._paths.start(r.route, r.timeout, self._time_left([r]))
+        return agent.paths.start(r.route, r.timeout, self._time_left([r]))
 
     # ---- helpers -----------------------------------------------------------------
     def _fail(self, r: PendingRead, exc: KvxferError) -> None:
-        self._agent._engine.fail(r.req, exc)
-        self._agent._wake.set()
+        self._agent.engine.fail(r.req, exc)
+        self._agent.wake.set()
 
     def _fail_all(self, reads: list[PendingRead], exc: KvxferError) -> None:
         for r in reads:
@@ -503,7 +503,7 @@ class ReadFlow:
         """The transfer window the claim asks for: what is left of the read's timeout (0: none)."""
         if r.deadline is None:
             return 0.0
-        return max(1e-3, r.deadline - self._agent._clock.now())
+        return max(1e-3, r.deadline - self._agent.clock.now())
 
     def _time_left(self, reads: list[PendingRead]) -> float:
         """Seconds the batch's next round trip may take: the least left of its reads' windows,
@@ -512,7 +512,7 @@ class ReadFlow:
         deadlines = [r.deadline for r in reads if r.deadline is not None]
         if not deadlines:
             return limit
-        left = min(deadlines) - self._agent._clock.now()
+        left = min(deadlines) - self._agent.clock.now()
         if left <= 0:
             raise TransferTimeoutError("a read's timeout passed before its transfer started")
         return min(left, limit)
@@ -530,8 +530,8 @@ class ReadStep:
     (its deadline, an abort) has its claim given back on the producer's lane. One thread settles
     a step at a time; another thread's call returns at once (or after ``block``)."""
 
-    def __init__(self, flow: ReadFlow, reads: list[PendingRead], links: list) -> None:
-        self._flow, self._links = flow, links
+    def __init__(self, claims, settle, reads: list[PendingRead], links: list) -> None:
+        self._claims, self._settle, self._links = claims, settle, links
         self._open = list(reads)
         self._lock = threading.Lock()
 
@@ -542,7 +542,7 @@ class ReadStep:
         try:
             if not self._open:
                 return True
-            claims = self._flow._agent._claims
+            claims = self._claims
             ready, waiting = [], []
             for r in self._open:
                 wait = block if not ready and not waiting else 0.0  # a step's claims share one answer
@@ -555,7 +555,7 @@ class ReadStep:
                     claims.undo(r.request_id, r.sent)
                     r.sent = None
             if ready:
-                self._flow._settle(ready, self._links)
+                self._settle(ready, self._links)
             return not self._open
         finally:
             self._lock.release()

@@ -26,7 +26,7 @@ from kvxfer.protocol import (
 from kvxfer.agent.announce import Announcement
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["ProducerService"]
 
@@ -36,7 +36,7 @@ log = logging.getLogger("kvxfer.agent")
 class ProducerService:
     """Serves one agent's side channel."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "AgentParts") -> None:
         self._agent = agent
         self._granted: dict[str, set[str]] = {}   # consumer engine id -> request ids granted to it
         self._expected: dict[int, int] = {}       # consumer TP size -> notifications a read brings
@@ -54,13 +54,13 @@ class ProducerService:
             granted = self._granted.get(peer.engine_id)
             if not granted:
                 return False
-            granted &= {rid for rid in granted if self._agent._leases.held(rid)}
+            granted &= {rid for rid in granted if self._agent.leases.held(rid)}
             if not granted:
                 del self._granted[peer.engine_id]
             return bool(granted)
 
     def _note_grant(self, engine_id: str, request_id: str) -> None:
-        leases = self._agent._leases
+        leases = self._agent.leases
         with self._lock:
             self._granted.setdefault(engine_id, set()).add(request_id)
             if sum(map(len, self._granted.values())) > 2 * len(leases) + 64:  # forget released ones
@@ -71,7 +71,7 @@ class ProducerService:
 
     def _claim(self, message: Claim, peer: PeerInfo | None) -> Grant | Refuse:
         """Grant or refuse one claim (a ``Claim``, or one of a ``ClaimBatch``)."""
-        leases = self._agent._leases
+        leases = self._agent.leases
         consumer_tp = peer.spec.tp_size if peer is not None else 1
         expected = self._expected.get(consumer_tp)
         if expected is None:
@@ -99,10 +99,10 @@ class ProducerService:
         if not message.listen_host:
             return Refuse(message.request_id, "announce without the consumer's listen_host")
         blocks = np.asarray(message.block_ids, dtype=np.int64)
-        self._agent._announced.add(Announcement(message.request_id, message.engine_id,
+        self._agent.announced.add(Announcement(message.request_id, message.engine_id,
                                                 (message.listen_host, message.listen_port), blocks,
                                                 message.payload))
-        self._agent._reports.forget(message.request_id)
+        self._agent.reports.forget(message.request_id)
         return Ack()
 
     def make_session(self) -> ServerSession:
@@ -115,13 +115,13 @@ class ProducerService:
         def on_request(message):
             return self.handle(message, ref().peer)  # only ever called by the live session itself
 
-        session = ServerSession(self._agent._codec, self._agent._peer_info(), on_request=on_request)
+        session = ServerSession(self._agent.codec, self._agent.peer_info(), on_request=on_request)
         ref = weakref.ref(session)
         return session
 
     def handle(self, message, peer: PeerInfo | None):
         """Apply one request from a handshaken consumer; returns the reply message."""
-        leases = self._agent._leases
+        leases = self._agent.leases
         if isinstance(message, Claim):
             return self._claim(message, peer)
         if isinstance(message, ClaimBatch):  # each claim judged alone, as if it came by itself
@@ -130,8 +130,8 @@ class ProducerService:
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
-            if self._agent._announced.cancel(message.request_id, message.engine_id):  # a push not yet ended
-                self._agent._reports.released(message.request_id, ReleaseReason.ABORTED.value)
+            if self._agent.announced.cancel(message.request_id, message.engine_id):  # a push not yet ended
+                self._agent.reports.released(message.request_id, ReleaseReason.ABORTED.value)
                 return Ack(released=True)
             if not leases.may_act(message.request_id, message.engine_id):  # the hold names other engines
                 self._refusals.event("abort", f"refused abort of {message.request_id!r} by "
@@ -148,11 +148,11 @@ class ProducerService:
         if isinstance(message, Announce):
             return self._announce(message)
         if isinstance(message, WritesDone):
-            why = self._agent._reports.writes_done(message.request_id, message.engine_id, message.writes, message.aux,
+            why = self._agent.reports.writes_done(message.request_id, message.engine_id, message.writes, message.aux,
                                                    error=message.error)
             return Ack() if why is None else Refuse(message.request_id, why)
         if isinstance(message, PackRequest):
-            paths = self._agent._paths
+            paths = self._agent.paths
             packer = paths.packer if paths is not None else None
             if packer is None or peer is None:
                 return Refuse(message.request_id, "producer-side packing is not enabled on this agent")

@@ -25,7 +25,7 @@ from kvxfer.protocol import Refuse, WritesDone, encode_notification
 from kvxfer.types import Direction
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["WriteStream"]
 
@@ -42,7 +42,7 @@ class WriteStream:
     ``abort(error)`` fails it now. Thread-safe.
     """
 
-    def __init__(self, agent: "Agent", remote: tuple[str, int], request_id: str, timeout: float | None) -> None:
+    def __init__(self, agent: "AgentParts", remote: tuple[str, int], request_id: str, timeout: float | None) -> None:
         self._agent, self.remote, self.request_id = agent, remote, request_id
         self.handle = TransferHandle(request_id)
         self._lock = threading.Lock()
@@ -52,7 +52,7 @@ class WriteStream:
         self._aux: bytes | None = None       # set by finish
         self._ending = False                 # WritesDone queued
         self._started = time.perf_counter()
-        self._deadline = deadline_for(timeout, agent._clock.now())
+        self._deadline = deadline_for(timeout, agent.clock.now())
 
     @property
     def writes(self) -> int:
@@ -67,7 +67,7 @@ class WriteStream:
         (after ``finish``), the stream's error once it failed, ClosedError.
         """
         agent = self._agent
-        agent._check_open()
+        agent.check_open()
         local = check_block_ids("local", local_blocks, agent.spec.num_blocks)
         remote_ids = check_block_ids("remote", remote_blocks, MAX_BLOCK_ID)
         with self._lock:
@@ -77,12 +77,12 @@ class WriteStream:
             if error is not None:
                 raise error
             key = f"{self.request_id}{_CHUNK_SEP}{len(self._chunks)}"
-            req = agent._engine.reserve(key, Direction.WRITE, deadline=self._deadline)
+            req = agent.engine.reserve(key, Direction.WRITE, deadline=self._deadline)
             self._chunks.append(req.handle)
         note = encode_notification(self.request_id, agent.engine_id, agent.config.auth_key)
         req.handle.add_done_callback(self._on_chunk)
-        agent._lanes.put(self.remote, PendingWrite(req, local, remote_ids, note, self._deadline))
-        agent._wake.set()
+        agent.lanes.put(self.remote, PendingWrite(req, local, remote_ids, note, self._deadline))
+        agent.wake.set()
         return req.handle
 
     def finish(self, aux: bytes = b"") -> TransferHandle:
@@ -114,7 +114,7 @@ class WriteStream:
             reason = str(error)[:4000] or "aborted"
             message = WritesDone(self.request_id, self._agent.engine_id, len(self._chunks), b"", error=reason)
             try:
-                self._agent._lanes.put(self.remote, _WritesDoneJob(self, message))
+                self._agent.lanes.put(self.remote, _WritesDoneJob(self, message))
             except RuntimeError:
                 pass
 
@@ -150,10 +150,10 @@ class WriteStream:
             self._ending = True
         message = WritesDone(self.request_id, self._agent.engine_id, len(self._chunks), self._aux)
         try:
-            self._agent._lanes.put(self.remote, _WritesDoneJob(self, message))
+            self._agent.lanes.put(self.remote, _WritesDoneJob(self, message))
         except RuntimeError:  # the agent closed meanwhile
             self.handle._finish(error=TransferFailedError(f"agent closed before {self.request_id!r} ended"))
-        self._agent._wake.set()
+        self._agent.wake.set()
 
     def _ended(self, error: KvxferError | None) -> None:
         if error is not None:
@@ -170,10 +170,10 @@ class _WritesDoneJob(LaneJob):
     def __init__(self, stream: WriteStream, message: WritesDone) -> None:
         self.stream, self.message = stream, message
 
-    def run(self, agent: "Agent") -> None:
+    def run(self, agent: "AgentParts") -> None:
         host, port = self.stream.remote
         try:
-            reply = agent._peers.call(host, port, lambda link: link.ask(self.message, agent.config.handshake_timeout))
+            reply = agent.peers.call(host, port, lambda link: link.ask(self.message, agent.config.handshake_timeout))
         except KvxferError as exc:
             self.stream._ended(exc)
             return

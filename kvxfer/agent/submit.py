@@ -32,7 +32,7 @@ from kvxfer.protocol import encode_notification
 from kvxfer.types import Direction, HoldToken, ReadRequest
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["AbortJob", "Submissions"]
 
@@ -61,7 +61,7 @@ class AbortJob(LaneJob):
 class Submissions:
     """The consumer's reads and writes, from the call to their lane (see the module doc)."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "AgentParts") -> None:
         self._agent = agent
 
     def reads(self, requests: Sequence[ReadRequest], started: float) -> list[TransferHandle]:
@@ -81,36 +81,36 @@ class Submissions:
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)
         pending = self._pending_reads(requests, started, locals_, remotes)
-        reqs = agent._engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
+        reqs = agent.engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
                                           granted=False)
         handles = []
         for read, req in zip(pending, reqs):
             read.req = req
-            agent._read_remotes[read.request_id] = read.remote
+            agent.read_remotes[read.request_id] = read.remote
             handles.append(req.handle)
             if read.token is not None:  # a token of another request or other ids: fails before anything moves
                 wrong = tag_error(read.request_id, read.token, read.remote_ids)
                 if wrong is not None:
-                    agent._engine.fail(req, wrong)
+                    agent.engine.fail(req, wrong)
         by_peer: dict[tuple[str, int], list] = {}
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
-        flow = agent._reads
+        flow = agent.reads
         for remote, reads in by_peer.items():
             # A known producer's reads are routed, launched and claimed here (no peer I/O on this
             # thread) and then move on whichever thread polls them; the lane takes them where that
             # cannot be done (a new peer's handshake, several ranks, work queued on the lane before).
-            ready = ready_links(agent._peers, agent.spec, remote) if agent._lanes.idle(remote) else None
+            ready = ready_links(agent.peers, agent.spec, remote) if agent.lanes.idle(remote) else None
             if not flow.start_here(remote, reads, ready):
-                agent._lanes.put_many(remote, reads)
-        metrics = agent._metrics
+                agent.lanes.put_many(remote, reads)
+        metrics = agent.metrics
         for read in pending:  # after the launch: a handle already complete runs them here, at once
             handle = read.req.handle
-            handle.add_done_callback(agent._on_read_done)
+            handle.add_done_callback(agent.on_read_done)
             if metrics is not None:
                 # the path is known once the lane chose it: read it when the handle completes
                 handle.add_done_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
-        agent._wake.set()
+        agent.wake.set()
         return handles
 
     def _pending_reads(self, requests: Sequence[ReadRequest], started: float, locals_: list,
@@ -119,7 +119,7 @@ class Submissions:
         ids were checked: ``check_block_id_lists``). A step's requests share one clock reading
         and, mostly, one producer address and one timeout: those are worked out once."""
         agent = self._agent
-        now = agent._clock.now()
+        now = agent.clock.now()
         # The read's window starts now, before any claim is sent: the producer counts the same
         # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
         deadlines: dict = {}
@@ -155,13 +155,13 @@ class Submissions:
         local = check_block_ids("local", local_blocks, agent.spec.num_blocks)
         remote_ids = check_block_ids("remote", remote_blocks, MAX_BLOCK_ID)
         key = address(remote)
-        deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent._clock.now())
-        req = agent._engine.reserve(rid, Direction.WRITE, deadline=deadline)
+        deadline = deadline_for(agent.config.transfer_timeout if timeout is None else timeout, agent.clock.now())
+        req = agent.engine.reserve(rid, Direction.WRITE, deadline=deadline)
         note = encode_notification(rid, agent.engine_id, agent.config.auth_key)
-        if agent._metrics is not None:
-            req.handle.add_done_callback(partial(agent._metrics.observe, "write", "direct"))
-        agent._lanes.put(key, PendingWrite(req, local, remote_ids, note, deadline))
-        agent._wake.set()
+        if agent.metrics is not None:
+            req.handle.add_done_callback(partial(agent.metrics.observe, "write", "direct"))
+        agent.lanes.put(key, PendingWrite(req, local, remote_ids, note, deadline))
+        agent.wake.set()
         return req.handle
 
     # ---- on the lane's thread --------------------------------------------------------
@@ -176,7 +176,7 @@ class Submissions:
                 run.append(item)
                 continue
             if run:
-                agent._reads.run(remote, run)
+                agent.reads.run(remote, run)
                 run = []
             if isinstance(item, PendingWrite):
                 run_writes(agent, remote, [item])
@@ -191,5 +191,5 @@ class Submissions:
             if isinstance(item, LaneJob):
                 item.fail(error)
             else:
-                agent._engine.fail(item.req, error)
-        agent._wake.set()
+                agent.engine.fail(item.req, error)
+        agent.wake.set()

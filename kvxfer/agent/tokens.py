@@ -23,7 +23,7 @@ from kvxfer.layout import expected_notifications
 from kvxfer.types import HoldToken
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["TokenReads", "tag_error"]
 
@@ -44,7 +44,7 @@ def tag_error(request_id: str, token: HoldToken, remote_ids) -> LeaseExpiredErro
 class TokenReads:
     """The consumer's maps of its producers' tables (one per producer engine on this host)."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "AgentParts") -> None:
         self._agent = agent
         self._views: dict[str, WordView | None] = {}
         self._lock = threading.Lock()
@@ -52,8 +52,8 @@ class TokenReads:
     def view(self, link) -> WordView | None:
         """The map of ``link``'s table when a token read of it proves its hold, else None."""
         agent, info = self._agent, link.info
-        if not info.hold_words or not info.hold_slots or agent._paths is None \
-                or not info.host_id or info.host_id != agent._paths.kit.host_id:
+        if not info.hold_words or not info.hold_slots or agent.paths is None \
+                or not info.host_id or info.host_id != agent.paths.kit.host_id:
             return None
         key = info.engine_id
         with self._lock:

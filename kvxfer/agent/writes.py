@@ -18,7 +18,7 @@ from kvxfer.errors import KvxferError
 from kvxfer.layout import build_plan, peer_ranks
 
 if TYPE_CHECKING:
-    from kvxfer.agent.core import Agent
+    from kvxfer.agent.parts import AgentParts
 
 __all__ = ["PendingWrite", "run_writes"]
 
@@ -42,24 +42,24 @@ class _Reversed:
         self.num_bytes, self.staging_bytes = req.num_bytes, 0
 
 
-def run_writes(agent: "Agent", remote: tuple[str, int], writes: list[PendingWrite]) -> None:
+def run_writes(agent: "AgentParts", remote: tuple[str, int], writes: list[PendingWrite]) -> None:
     """Post ``writes`` (all to the consumer instance at ``remote``); each ends on its handle."""
-    engine = agent._engine
-    view = agent._require_cache()
+    engine = agent.engine
+    view = agent.require_cache()
     for w in writes:
         if w.req.finished or w.req.error is not None:
             continue
         try:
-            left = None if w.deadline is None else max(1e-3, w.deadline - agent._clock.now())
+            left = None if w.deadline is None else max(1e-3, w.deadline - agent.clock.now())
             timeout = agent.config.handshake_timeout if left is None else min(left, agent.config.handshake_timeout)
-            head = agent._peers.get(remote[0], remote[1], timeout=timeout)
+            head = agent.peers.get(remote[0], remote[1], timeout=timeout)
             parts = []
             for rank in range(head.spec.tp_size):
                 # The instance's ranks share the head's spec but for their rank: skip, without a
                 # handshake, every consumer rank that needs no head this rank holds.
                 if agent.spec.tp_rank not in peer_ranks(replace(head.spec, tp_rank=rank), agent.spec.tp_size):
                     continue
-                link = head if rank == head.spec.tp_rank else agent._peers.get(remote[0], rank_port(head, rank),
+                link = head if rank == head.spec.tp_rank else agent.peers.get(remote[0], rank_port(head, rank),
                                                                                 timeout=timeout)
                 if agent.spec.tp_rank not in peer_ranks(link.spec, agent.spec.tp_size):
                     continue
@@ -73,4 +73,4 @@ def run_writes(agent: "Agent", remote: tuple[str, int], writes: list[PendingWrit
             continue
         with engine.posting([w.req]):
             engine.attach(w.req, parts)
-    agent._wake.set()
+    agent.wake.set()

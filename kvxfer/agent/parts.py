@@ -1,0 +1,66 @@
+"""The parts of one Agent, as the modules doing its work use them (layer: agent; imports no other kvxfer.agent module).
+
+``Agent`` builds one ``AgentParts`` and hands it, not itself, to the modules that do its work
+(``reads``, ``tokens``, ``submit``, ``service``, ``announce``, ``heartbeats``, ``streams``,
+``writes``, ``progress``): each reads the parts it needs here by name, so no module reaches into
+the Agent's private attributes and none imports ``core`` (the package has no import circle).
+
+Parts that exist only once a cache is registered (``view``, ``paths``, ``engine``, ``words``)
+are None before ``register``; ``address``, ``closed`` and ``expired_at`` change over the agent's
+life; the Agent reads and writes the same objects here (its private attributes are views of
+these). The hooks are the Agent's own checks and callbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+__all__ = ["AgentParts"]
+
+
+class AgentParts:
+    """What an Agent is made of (see the module doc). Every attribute is set by ``Agent``."""
+
+    def __init__(self, spec: Any, config: Any, engine_id: str, clock: Any, backend: Any) -> None:
+        self.spec = spec                  # this rank's KVSpec
+        self.config = config              # its AgentConfig
+        self.engine_id = engine_id
+        self.clock = clock                # every deadline and wait (kvxfer.clock)
+        self.backend = backend            # the transport agent (NIXL)
+        self.wake = threading.Event()     # wakes the progress thread
+        # built by the Agent right after this object
+        self.codec: Any = None            # side-channel messages (kvxfer.protocol.Codec)
+        self.registry: Any = None         # registered memory (kvxfer.memory.MemoryRegistry)
+        self.reports: Any = None          # finished() and status() (agent.reports.Reports)
+        self.announced: Any = None        # announcements received (agent.announce.AnnouncementBook)
+        self.leases: Any = None           # this producer's holds (engine.leases.LeaseTable)
+        self.service: Any = None          # answers consumers (agent.service.ProducerService)
+        self.peers: Any = None            # handshaken producers (agent.peers.PeerDirectory)
+        self.claims: Any = None           # claims and their give-backs (agent.claims.Claims)
+        self.done: Any = None             # done notices (agent.notices.DoneSender)
+        self.reads: Any = None            # the read flow (agent.reads.ReadFlow)
+        self.tokens: Any = None           # hold-token reads (agent.tokens.TokenReads)
+        self.submit: Any = None           # read/write submission (agent.submit.Submissions)
+        self.lanes: Any = None            # one thread per producer (agent.lanes.PeerLanes)
+        self.metrics: Any = None          # the Prometheus endpoint, or None
+        self.read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
+        # set by register()
+        self.view: Any = None             # the registered cache (layout.CacheView)
+        self.paths: Any = None            # transfer paths and the staged reads' packer (engine.readpaths)
+        self.engine: Any = None           # the transfer engine (engine.transfers.TransferEngine)
+        self.words: Any = None            # this producer's hold words (engine.holdwords.HoldWords)
+        # the agent's life
+        self.address: tuple[str, int] | None = None  # the side channel's (host, port) once listening
+        self.closed = False
+        self.expired_at = 0.0             # when leases were last expired (progress.drive_once)
+        # the Agent's hooks
+        self.check_open: Callable[[], None] = _unset
+        self.require_cache: Callable[[], Any] = _unset
+        self.links_for: Callable[..., Any] = _unset
+        self.peer_info: Callable[[], Any] = _unset
+        self.on_read_done: Callable[[Any], None] = _unset
+
+
+def _unset(*args: object, **kwargs: object) -> Any:
+    raise RuntimeError("kvxfer: an AgentParts hook was called before the Agent set it")
