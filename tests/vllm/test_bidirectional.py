@@ -34,7 +34,8 @@ def pair(tiny_model, vllm_logs):
                 "kv_connector_extra_config": BIDI}
     d_config = {**p_config, "kv_role": "kv_consumer"}
     # P without a prefix cache: everything turn 2 does not compute must come from D
-    with pd_servers("bidi", tiny_model, vllm_logs, p_config, d_config, p_args=("--no-enable-prefix-caching",)) as (p, d):
+    with pd_servers("bidi", tiny_model, vllm_logs, p_config, d_config,
+                    p_args=("--no-enable-prefix-caching",)) as (p, d):
         yield p, d
 
 
