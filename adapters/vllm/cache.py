@@ -137,14 +137,11 @@ def describe_fused(tensors: list[torch.Tensor], common: dict[str, Any]) -> Cache
     Triton and FlexAttention split the last axis; FlashInfer too, NVFP4 aside), in the memory order of
     the KV-cache layout (``VLLM_KV_CACHE_LAYOUT``).
 
-    kvxfer's KVSpec has no storage with K and V side by side inside one head vector, so the
-    description places whole blocks exactly (the bytes of one block of one layer), and whole
-    heads too with the head-major layout ``LBHNC`` (each head's tokens are one span); it does not
-    place K and V themselves. Only peers of the same format are then exact (``same_format_only``):
-    another vLLM GPU instance with the same layout and block size; with ``LBHNC``, of any TP size.
-
-    ``LBHNC`` -> ``head_packed`` HND; ``LBNHC`` -> ``packed`` NHD; ``BLHNC``/``BLNHC`` (cross-layer
-    blocks) -> ``cross_layer``; layouts with heads outside blocks (``LHBNC``, ``BHLNC``) are refused.
+    kvxfer describes that exactly as a fused cache (``KVSpec.kv_fused``: one region per layer of
+    ``[K | V]`` vectors of ``2 * head_size``): ``LBHNC`` -> HND ``split``, ``LBNHC`` -> NHD ``split``,
+    ``BLHNC``/``BLNHC`` (cross-layer blocks) -> ``cross_layer``. Every element is placed, so such a
+    cache converts to and from any other fused cache: the other layout, TP size or block size.
+    Layouts with heads outside blocks (``LHBNC``, ``BHLNC``) are refused.
     """
     t = tensors[0]
     n, h, bs, c = t.shape
@@ -160,16 +157,11 @@ def describe_fused(tensors: list[torch.Tensor], common: dict[str, Any]) -> Cache
     else:
         raise LayoutError(f"vLLM KV-cache layout with heads outside blocks (strides {st} for shape {tuple(t.shape)}; "
                           "LHBNC or BHLNC) is not supported; use LBHNC (the connector's default) or LBNHC")
-    note = "vLLM GPU cache with K and V side by side in each head vector: whole blocks of the same format only"
+    fused = {**common, "head_dim": c, "layout": layout, "kv_fused": True}
     if st[0] == vec:
-        storage = "head_packed" if layout == "HND" else "packed"
-        spec = KVSpec(**common, layout=layout, storage=storage)
-        return CacheDescription(spec, [_flat(x, n * vec) for x in tensors], head_slices_exact=layout == "HND",
-                                same_format_only=True, note=note)
+        return CacheDescription(KVSpec(**fused, storage="split"), [_flat(x, n * vec) for x in tensors])
     if st[0] == L * vec and _consecutive(tensors, vec):
-        spec = KVSpec(**common, layout=layout, storage="cross_layer")
-        return CacheDescription(spec, [_flat(t, n * L * vec)], head_slices_exact=False, same_format_only=True,
-                                note=note)
+        return CacheDescription(KVSpec(**fused, storage="cross_layer"), [_flat(t, n * L * vec)])
     raise LayoutError(f"unknown block placement: block stride {st[0]} elements for blocks of {vec} "
                       f"elements and {L} layers")
 

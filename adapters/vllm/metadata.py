@@ -51,7 +51,9 @@ class StepOrders(KVConnectorMetadata):
     """One step's orders for every worker.
 
     Producer side: ``holds`` (request id -> block ids to keep readable, issued in the step that
-    completes the prompt, so the hold exists before the answer leaves), ``kept`` (requests whose
+    completes the prompt, so the hold exists before the answer leaves; a decode instance's
+    blocks kept for the next turn in the step after the request finished), ``hold_leases``
+    (request id -> the lease of that hold, where not the agent's own), ``kept`` (requests whose
     blocks vLLM keeps until the workers report them sent), ``dropped`` (holds to release:
     the request did not end in a way that hands its KV on).
     Consumer side: ``loads`` to start, ``releases`` to send, ``cancels`` (own request ids whose
@@ -60,6 +62,7 @@ class StepOrders(KVConnectorMetadata):
     """
 
     holds: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    hold_leases: dict[str, float] = field(default_factory=dict)   # seconds, where not the agent's lease
     kept: set[str] = field(default_factory=set)
     dropped: set[str] = field(default_factory=set)
     loads: list[LoadOrder] = field(default_factory=list)

@@ -28,6 +28,11 @@ class KvxferScheduler:
     the params a decoder needs, or drops the hold when the request did not end normally.
     Consumer (``do_remote_prefill``): the whole prompt is loaded asynchronously into the
     blocks the local prefix cache does not already cover; an abort cancels the load.
+    Next turn (``bidirectional_kv_xfer``): a decode instance keeps the blocks of each request it
+    decoded for a producer (a hold whose lease is ``decoder_kv_blocks_ttl``) and answers params
+    naming them (``do_remote_decode``); a prefill instance handed such params with a request
+    loads the tokens they cover (``remote_num_tokens``), computes the rest and holds its blocks
+    for the next decoder as usual.
     """
 
     def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int,
@@ -44,6 +49,7 @@ class KvxferScheduler:
         self._orders = StepOrders()
         self._clock = clock
         self._queued: dict[str, RemotePrefill] = {}   # consumer requests waiting here, not loading yet
+        self._decoded: set[str] = set()               # requests decoded here for a producer (next-turn holds)
         self._last_beat = clock()
 
     # ---- wiring ----------------------------------------------------------------------
@@ -70,7 +76,8 @@ class KvxferScheduler:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens to load from the producer beyond those computed locally (no side effects)."""
         params = request.kv_transfer_params
-        if not self._settings.consumes or not wants_remote_prefill(params):
+        turn = self._next_turn(params)
+        if not turn and (not self._settings.consumes or not wants_remote_prefill(params)):
             return 0, False
         try:
             remote = RemotePrefill.parse(params)
@@ -81,26 +88,39 @@ class KvxferScheduler:
                                local_block=self._block_size, remote_block=remote.block_size,
                                remote_blocks=len(remote.block_ids),
                                partial=self._settings.buffer_device == "cpu")
+        if turn and count < max(1, self._settings.recompute_threshold):
+            return 0, False   # vLLM's kv_recompute_threshold: so few tokens are cheaper to compute
         return (count, True) if count > 0 else (0, False)
+
+    def _next_turn(self, params: Any) -> bool:
+        """A prefill request whose params name a decode instance's blocks of the previous turn."""
+        return bool(self._settings.bidirectional and wants_remote_decode(params) and params.get("remote_block_ids")
+                    and params.get("remote_request_id") and not params.get("_remote_blocks_processed"))
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        turn = self._next_turn(params)
         if wants_remote_decode(params) and self._settings.produces:
             self._producing[request.request_id] = request
+        if turn:
+            params["_remote_blocks_processed"] = True  # one load per request, even if called again
+        elif (wants_remote_decode(params) and self._settings.produces) or not wants_remote_prefill(params):
             return
-        if not wants_remote_prefill(params):
-            return
-        params["do_remote_prefill"] = False  # one load per request, even if called again
+        else:
+            params["do_remote_prefill"] = False  # one load per request, even if called again
+            if self._settings.bidirectional:
+                self._decoded.add(request.request_id)
         self._queued.pop(request.request_id, None)  # the load's claim keeps the hold from here
         try:
             remote = RemotePrefill.parse(params)
         except BadParams as exc:
             log.warning("kvxfer: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
             return
-        if not self._settings.consumes:
+        consumes = self._settings.consumes or turn
+        if not consumes:
             log.info("kvxfer: %s asks for a remote prefill but kv_role=%s; computing locally",
                      request.request_id, self._settings.role)
-        if num_external_tokens <= 0 or not self._settings.consumes:
+        if num_external_tokens <= 0 or not consumes:
             # nothing to pull (the local prefix cache had it all, or we do not consume): free the producer
             self._orders.releases.append(ReleaseOrder(remote.request_id, remote.host, remote.port))
             return
@@ -169,10 +189,13 @@ class KvxferScheduler:
         if request_id in self._loading:
             self._orders.cancels.add(request_id)  # vLLM keeps its blocks until we report the load
             return False, None
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if request_id in self._decoded:
+            self._decoded.discard(request_id)
+            return self._keep_for_next_turn(request, block_ids) if normal else (False, None)
         held = self._held.pop(request_id, None)
         if held is None:
             return False, None
-        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         final = _first_group(block_ids)
         if not normal or not final:
             self._orders.dropped.add(request_id)
@@ -189,6 +212,25 @@ class KvxferScheduler:
             request_id=request_id, block_ids=final, engine_id=self._address.engine_id,
             host=self._address.host, port=self._address.port, tp_size=self._tp_size,
             num_tokens=request.num_computed_tokens, block_size=self._block_size)
+
+
+    def _keep_for_next_turn(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """bidirectional_kv_xfer, decode side: hold a decoded request's blocks for
+        ``decoder_kv_blocks_ttl`` seconds and answer params a prefill instance reads them with."""
+        final = _first_group(block_ids)
+        if not final or self._address is None:
+            return False, None
+        request_id = request.request_id
+        self._orders.holds[request_id] = final
+        self._orders.hold_leases[request_id] = self._settings.decoder_ttl
+        self._orders.kept.add(request_id)
+        answer = producer_answer(
+            request_id=request_id, block_ids=final, engine_id=self._address.engine_id,
+            host=self._address.host, port=self._address.port, tp_size=self._tp_size,
+            num_tokens=request.num_computed_tokens, block_size=self._block_size)
+        # vLLM's form of a decode instance's answer; its expiry is the hold's lease here
+        answer.update(do_remote_prefill=False, do_remote_decode=True, remote_blocks_expiry_time=None)
+        return True, answer
 
 
 def _first_group(block_ids: Any) -> tuple[int, ...]:

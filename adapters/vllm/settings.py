@@ -19,6 +19,8 @@ ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
 #: vLLM 0.32's NixlConnector defaults for the keys it reads from kv_connector_extra_config.
 DEFAULT_LEASE_DURATION = 30.0     # kv_lease_duration
 DEFAULT_NUM_THREADS = 4           # num_threads
+DEFAULT_DECODER_TTL = 480.0       # decoder_kv_blocks_ttl (used with bidirectional_kv_xfer)
+DEFAULT_RECOMPUTE_THRESHOLD = 64  # kv_recompute_threshold (likewise)
 
 #: Keys of kv_connector_extra_config this adapter understands (docs/vllm.md, "Configuration keys"):
 #: vLLM 0.32 NixlConnector's and kvxfer's own. Others are logged once (vLLM ignores unknown keys).
@@ -57,6 +59,13 @@ class Settings:
         handshake_timeout: seconds one side-channel round trip may take
             (kv_connector_extra_config.handshake_timeout).
         dp_rank: this engine's data-parallel rank (side-channel port offset).
+        bidirectional: kv_connector_extra_config.bidirectional_kv_xfer: a decode instance keeps the
+            blocks of every request it decoded for a prefill instance's next turn (``decoder_ttl``
+            seconds, a kvxfer hold with that lease) and answers their kv_transfer_params; a prefill
+            instance handed those params with a request loads the tokens they cover instead of
+            computing them (unless fewer than ``recompute_threshold``), whatever ``role`` says.
+        decoder_ttl: kv_connector_extra_config.decoder_kv_blocks_ttl (vLLM's 480 s).
+        recompute_threshold: kv_connector_extra_config.kv_recompute_threshold (vLLM's 64 tokens; 0: always load).
     """
 
     role: str = "kv_both"
@@ -70,6 +79,9 @@ class Settings:
     handshake_timeout: float | None = None
     dp_rank: int = 0
     num_threads: int = 0
+    bidirectional: bool = False
+    decoder_ttl: float = DEFAULT_DECODER_TTL
+    recompute_threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -115,6 +127,12 @@ class Settings:
             handshake_timeout=None if handshake is None else parse_seconds(handshake, "handshake_timeout"),
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
             num_threads=_count(extra.get("num_threads", DEFAULT_NUM_THREADS), "num_threads"),
+            bidirectional=parse_flag(extra.get("bidirectional_kv_xfer", False),
+                                     "kv_connector_extra_config.bidirectional_kv_xfer"),
+            decoder_ttl=parse_seconds(extra.get("decoder_kv_blocks_ttl", DEFAULT_DECODER_TTL),
+                                      "kv_connector_extra_config.decoder_kv_blocks_ttl"),
+            recompute_threshold=_count(extra.get("kv_recompute_threshold", DEFAULT_RECOMPUTE_THRESHOLD),
+                                       "kv_recompute_threshold"),
         )
 
     def agent_config(self) -> AgentConfig:
@@ -167,8 +185,7 @@ def _check_extra_keys(extra: Mapping[str, Any]) -> None:
 
     Raises:
         ConfigError: ``engine_ttl`` > 0 (kvxfer has no idle timeout for peers), ``enforce_handshake_compat``
-            false (kvxfer always checks), ``bidirectional_kv_xfer`` true (not built), or a malformed
-            value of a key vLLM reads only with bidirectional_kv_xfer.
+            false (kvxfer always checks).
     """
     ttl = extra.get("engine_ttl")
     if ttl is not None and _number(ttl, "engine_ttl") > 0:   # vLLM: <= 0 never forgets, as kvxfer does
@@ -181,15 +198,6 @@ def _check_extra_keys(extra: Mapping[str, Any]) -> None:
             "kv_connector_extra_config.enforce_handshake_compat=false cannot be honoured: kvxfer always compares "
             "the model, dtype, head size and layers and refuses a peer whose bytes it cannot place exactly; it "
             "translates TP sizes, block sizes and layouts where its description of the cache allows (docs/vllm.md)")
-    if parse_flag(extra.get("bidirectional_kv_xfer", False), "kv_connector_extra_config.bidirectional_kv_xfer"):
-        raise ConfigError(
-            "kv_connector_extra_config.bidirectional_kv_xfer=true is not supported by KvxferConnector: the "
-            "prefill instance would read the decode instance's KV on the next turn; not built (docs/vllm.md, "
-            "'Configuration keys'); remove it or use vLLM's NixlConnector")
-    if extra.get("decoder_kv_blocks_ttl") is not None:   # vLLM reads it only with bidirectional_kv_xfer
-        parse_seconds(extra["decoder_kv_blocks_ttl"], "kv_connector_extra_config.decoder_kv_blocks_ttl")
-    if extra.get("kv_recompute_threshold") is not None:  # likewise
-        _count(extra["kv_recompute_threshold"], "kv_recompute_threshold")
     unknown = sorted(set(extra) - KNOWN_KEYS - _warned_unknown)
     if unknown:
         _warned_unknown.update(unknown)

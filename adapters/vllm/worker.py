@@ -124,7 +124,8 @@ class KvxferWorker:
         """Carry out one step's orders (called before the forward pass)."""
         agent = self._require_agent()
         for request_id, blocks in orders.holds.items():
-            agent.hold(request_id, blocks, replace=True)  # the scheduler re-holds a request decoded past its prompt
+            agent.hold(request_id, blocks, replace=True,  # the scheduler re-holds a request decoded past its prompt
+                       lease=orders.hold_leases.get(request_id))
         self._kept |= orders.kept
         for request_id in orders.dropped:
             self._ignored.add(request_id)

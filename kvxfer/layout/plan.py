@@ -30,7 +30,7 @@ from kvxfer.types import TransferPath
 __all__ = ["CacheView", "SplitKVPlan", "TransferPlan", "build_plan", "check_compatible", "head_overlap"]
 
 _U64 = np.uint64
-_MATCHING = ("model", "dtype", "head_dim", "num_layers", "num_kv_heads", "mla")
+_MATCHING = ("model", "dtype", "head_dim", "num_layers", "num_kv_heads", "mla", "kv_fused")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def check_compatible(a: KVSpec, b: KVSpec) -> None:
     """The one compatibility rule of every path (descriptor plans and GPU pair tables alike).
 
     Raises:
-        LayoutError: model, dtype, head_dim, num_layers, num_kv_heads or mla differ (names both).
+        LayoutError: model, dtype, head_dim, num_layers, num_kv_heads, mla or kv_fused differ (names both).
     """
     for name in _MATCHING:
         if getattr(a, name) != getattr(b, name):

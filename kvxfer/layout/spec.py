@@ -23,6 +23,11 @@ elements of one token, chunk by chunk (c = 1: K transposed, as vLLM's CPU ``vec`
 kernels keep it; c = 16 bytes / itemsize: the classic paged-attention K). V stays token-major.
 A head's K block covers the same bytes either way; only the order inside it differs.
 
+A *fused* cache (``kv_fused``) keeps one token's K and V of one head side by side in one vector,
+``[K | V]`` (vLLM 0.32's GPU attention caches, ``[blocks, heads, tokens, 2 * head_size]``): it has
+one region per layer, as MLA does, but real heads sliced by TP; ``head_dim`` is then the fused
+vector's size (twice the model's head size). Only fused caches pair with fused caches.
+
 ``CacheGeometry`` adds the addresses: the base of block 0 of every region.
 """
 
@@ -89,6 +94,10 @@ class KVSpec:
         k_dim_chunk: 0 (default): K token-major like V. c > 0: K dim-major in chunks of c
             elements (see the module docstring); needs layout HND, no MLA, c dividing head_dim.
             c == head_dim is token-major and is stored as 0.
+        kv_fused: each head vector is one token's K then its V (``head_dim`` = 2 x the model's
+            head size, even): one region per layer, heads sliced by TP as usual; storage
+            ``split`` (one ``[blocks, <block>]`` tensor per layer) or ``cross_layer``; no MLA,
+            no dim-major K.
         tp_rank, tp_size: this rank's place in tensor parallelism.
         model: model identity, compared with the peer's before anything else.
 
@@ -109,6 +118,7 @@ class KVSpec:
     tp_size: int = 1
     model: str = ""
     k_dim_chunk: int = 0
+    kv_fused: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size", "tp_rank",
@@ -144,6 +154,7 @@ class KVSpec:
         if self.storage is Storage.HEAD_PACKED and self.layout is not Layout.HND:
             raise LayoutError(f"storage 'head_packed' is head-major: layout must be 'HND'; got {self.layout.value!r}")
         self._check_k_dim_chunk()
+        self._check_kv_fused()
         h, tp = self.num_kv_heads, self.tp_size
         if not self.mla and h % tp and tp % h:
             raise LayoutError(
@@ -167,6 +178,23 @@ class KVSpec:
             raise LayoutError(f"a dim-major K (k_dim_chunk={c}) keeps each head's block whole: layout must be "
                               f"'HND'; got {self.layout.value!r}")
 
+    def _check_kv_fused(self) -> None:
+        if not isinstance(self.kv_fused, (bool, np.bool_)):
+            raise LayoutError(f"kv_fused must be True or False; got {self.kv_fused!r}")
+        object.__setattr__(self, "kv_fused", bool(self.kv_fused))
+        if not self.kv_fused:
+            return
+        if self.mla:
+            raise LayoutError("a fused cache (K and V in one vector) has a V: mla must be False")
+        if self.storage not in (Storage.SPLIT, Storage.CROSS_LAYER):
+            raise LayoutError(f"a fused cache has one region per layer: storage must be 'split' or 'cross_layer'; "
+                              f"got {self.storage.value!r}")
+        if self.k_dim_chunk:
+            raise LayoutError(f"a fused cache keeps K token-major: k_dim_chunk must be 0; got {self.k_dim_chunk}")
+        if self.head_dim % 2:
+            raise LayoutError(f"a fused cache's head_dim is K's and V's sizes together: it must be even; "
+                              f"got {self.head_dim}")
+
     # ---- derived sizes -------------------------------------------------------------
     @property
     def k_dim_major(self) -> bool:
@@ -184,8 +212,8 @@ class KVSpec:
 
     @property
     def kv_count(self) -> int:
-        """Regions per layer: 2 (K, V), or 1 for MLA."""
-        return 1 if self.mla else 2
+        """Regions per layer: 2 (K, V), or 1 for MLA and fused caches."""
+        return 1 if self.mla or self.kv_fused else 2
 
     @property
     def heads_per_rank(self) -> int:
@@ -263,7 +291,7 @@ class KVSpec:
     def tensor_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of the tensors ``Agent.register`` expects for this spec (element units).
 
-        split: one ``[2, blocks, <block>]`` per layer (or ``[blocks, <block>]`` for MLA);
+        split: one ``[2, blocks, <block>]`` per layer (or ``[blocks, <block>]`` for MLA and fused);
         packed: one ``[blocks, 2, <block>]`` per layer; cross_layer: one
         ``[blocks, layers, kv, <block>]``.
         """
@@ -279,7 +307,7 @@ class KVSpec:
             return [(n, 2, *inner)] * self.num_layers
         if self.storage is Storage.HEAD_PACKED:
             return [(n, self.heads_per_rank, 2, self.block_size, self.head_dim)] * self.num_layers
-        if self.mla:
+        if self.kv_count == 1:
             return [(n, *inner)] * self.num_layers
         return [(2, n, *inner)] * self.num_layers
 

@@ -62,7 +62,7 @@ def _items(spec: KVSpec, tensors: Any) -> list[Any]:
 
 def _is_pair(spec: KVSpec, obj: Any) -> bool:
     """A bare (K, V) tuple for a one-layer split cache (rather than a tuple of layers)."""
-    return (spec.num_layers == 1 and spec.storage is Storage.SPLIT and not spec.mla
+    return (spec.num_layers == 1 and spec.storage is Storage.SPLIT and spec.kv_count == 2
             and len(obj) == 2 and len(spec.tensor_shapes()) == 1
             and not any(isinstance(x, (list, tuple)) for x in obj))
 
@@ -110,10 +110,10 @@ class MemoryRegistry:
         for i, item in enumerate(_items(spec, tensors)):
             label = "cross-layer tensor" if spec.storage is Storage.CROSS_LAYER else f"layer {i}"
             if isinstance(item, (list, tuple)):
-                if spec.storage is not Storage.SPLIT or spec.mla:
+                if spec.storage is not Storage.SPLIT or spec.kv_count != 2:
                     raise RegistrationError(
-                        f"{label}: (K, V) pairs need split storage without MLA; spec has "
-                        f"storage={spec.storage.value}, mla={spec.mla}")
+                        f"{label}: (K, V) pairs need split storage with separate K and V; spec has "
+                        f"storage={spec.storage.value}, mla={spec.mla}, kv_fused={spec.kv_fused}")
                 if len(item) != 2:
                     raise RegistrationError(f"{label}: expected a (K, V) pair; got {len(item)} tensors")
                 k = self._check(spec, f"{label} K", item[0], shapes[i][1:])
@@ -129,7 +129,7 @@ class MemoryRegistry:
                 bases[i] = (t.addr, t.addr + spec.block_bytes)
             elif spec.storage is Storage.HEAD_PACKED:
                 bases[i] = (t.addr, t.addr + spec.block_size * spec.vector_bytes)
-            elif spec.mla:
+            elif spec.kv_count == 1:  # MLA or fused: one region per layer
                 bases[i, 0] = t.addr
             else:
                 bases[i] = (t.addr, t.addr + t.nbytes // 2)

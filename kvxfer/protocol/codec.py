@@ -183,7 +183,7 @@ class Codec:
                 # An incompatible peer's Reject is the one body worth reading: it says why.
                 return self._decode_body(self._reject_decoder, body)
             raise IncompatiblePeerError(
-                f"compat hash (model, dtype, head_dim, layers, kv heads, mla): expected "
+                f"compat hash (model, dtype, head_dim, layers, kv heads, mla, kv_fused): expected "
                 f"{self.compat[:16]}...; got {digest.hex()[:16]}..."
             )
         return self._decode_body(self._decoder, body)

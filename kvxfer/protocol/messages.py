@@ -93,6 +93,10 @@ class SpecWire(msgspec.Struct, frozen=True):
     # CPU cache). Older peers send none (token-major K) and ignore it: they only ever exchanged
     # such a cache whole-block with one of the same format, where K's order moves untouched.
     k_dim_chunk: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    # Appended: K and V of a token side by side in one vector (``KVSpec.kv_fused``; vLLM's GPU
+    # caches). A fused spec's compat hash differs from every older one, so older peers refuse
+    # its Hello before reading it.
+    kv_fused: bool = False
 
 
 #: Bounds of ``PeerInfo`` (a Hello is accepted before anything else is known about its sender, so
@@ -418,13 +422,16 @@ def compat_hash(spec: KVSpec) -> str:
     """Hex SHA-256 of what two peers must share to exchange KV blocks at all.
 
     Covers the protocol version, model identity, dtype, head_dim, num_layers,
-    num_kv_heads and mla. Leaves out tp_rank/tp_size, layout, storage, block_size and
-    num_blocks: the layout translator bridges those.
+    num_kv_heads, mla and kv_fused (added only when true, so other specs hash as before).
+    Leaves out tp_rank/tp_size, layout, storage, block_size and num_blocks: the layout
+    translator bridges those.
     """
     fields = [
         PROTOCOL_VERSION, spec.model, spec.dtype, int(spec.head_dim),
         int(spec.num_layers), int(spec.num_kv_heads), bool(spec.mla),
     ]
+    if spec.kv_fused:
+        fields.append("kv_fused")
     return hashlib.sha256(b"kvxfer-compat\0" + msgspec.msgpack.encode(fields)).hexdigest()
 
 
@@ -436,6 +443,7 @@ def spec_to_wire(spec: KVSpec) -> SpecWire:
         num_blocks=int(spec.num_blocks), dtype=spec.dtype, layout=spec.layout.value,
         storage=spec.storage.value, mla=bool(spec.mla), tp_rank=int(spec.tp_rank),
         tp_size=int(spec.tp_size), model=spec.model, k_dim_chunk=int(spec.k_dim_chunk),
+        kv_fused=bool(spec.kv_fused),
     )
 
 
@@ -475,7 +483,7 @@ def check_peer_info(info: PeerInfo, compat: str | None = None) -> tuple[KVSpec, 
             raise IncompatiblePeerError(
                 f"peer spec compat hash: expected {compat[:16]}...; got {got[:16]}... "
                 f"(model {spec.model!r}, dtype {spec.dtype}, layers {spec.num_layers}, "
-                f"kv heads {spec.num_kv_heads}, head_dim {spec.head_dim}, mla {spec.mla})"
+                f"kv heads {spec.num_kv_heads}, head_dim {spec.head_dim}, mla {spec.mla}, kv_fused {spec.kv_fused})"
             )
     want = (spec.num_layers, spec.kv_count)
     got_shape = (len(info.bases), *{len(row) for row in info.bases})

@@ -1,7 +1,7 @@
 """Property tests for the GPU path's pair-copy tables, executed on host bytes and checked cell by cell.
 
 Random compatible spec pairs (TP sizes and ranks, NHD/HND, any two block sizes, every storage,
-MLA) and random distinct block ids; ``direct_pairs`` and ``pack_pairs`` + ``unpack_pairs``
+MLA, fused K | V vectors) and random distinct block ids; ``direct_pairs`` and ``pack_pairs`` + ``unpack_pairs``
 (through a staging region) run with ``pair_copy_numpy`` over one uint8 arena. The oracle is
 independent of the pair code's address math: it reads each cache through the documented tensor
 shape of its storage (a plain C-contiguous numpy reshape) and derives head ownership from the
@@ -42,7 +42,7 @@ def cells(spec: KVSpec, arena: np.ndarray, offset: int) -> np.ndarray:
     """A writable ``[layer, kv, block, token, head, byte]`` view of the cache stored at ``arena[offset:]``."""
     storage = spec.storage.value
     axes = "lnhktv" if storage == "head_packed" else _OUTER[storage] + _INNER[spec.layout.value]
-    size = dict(l=spec.num_layers, k=1 if spec.mla else 2, n=spec.num_blocks, t=spec.block_size,
+    size = dict(l=spec.num_layers, k=spec.kv_count, n=spec.num_blocks, t=spec.block_size,
                 h=spec.heads_per_rank, v=spec.head_dim * spec.itemsize)
     shape = [size[a] for a in axes]
     flat = arena[offset:offset + math.prod(shape)]
@@ -80,18 +80,19 @@ def pair_case(draw):
     oracle's ownership), and both id lists hold the token count rounded up to whole chunks.
     """
     mla = draw(st.integers(0, 5)) == 0
+    fused = not mla and draw(st.integers(0, 4)) == 0   # K | V in one vector (vLLM's GPU caches)
     heads = 1 if mla else draw(st.sampled_from([1, 2, 4, 8, 8]))
     dtype, head_dim = draw(st.sampled_from([("uint8", 3), ("float16", 2), ("bfloat16", 1), ("float32", 1)]))
-    common = dict(num_layers=draw(st.integers(1, 3)), num_kv_heads=heads, head_dim=head_dim, dtype=dtype,
-                  mla=mla, model="m")
+    common = dict(num_layers=draw(st.integers(1, 3)), num_kv_heads=heads, head_dim=head_dim * (1 + fused),
+                  dtype=dtype, mla=mla, kv_fused=fused, model="m")
     bs_src, bs_dst = draw(BLOCK), draw(BLOCK)
     num_tokens = draw(st.integers(0, 14))
     moved = _round_up(num_tokens, math.gcd(bs_src, bs_dst))
 
     def one(bs: int, rank_of) -> tuple[KVSpec, np.ndarray]:
         layout = draw(st.sampled_from(["NHD", "HND"]))
-        storages = ["split", "cross_layer"] + ([] if mla else ["packed"])
-        storages += ["head_packed"] if layout == "HND" and not mla else []
+        storages = ["split", "cross_layer"] + ([] if mla or fused else ["packed"])
+        storages += ["head_packed"] if layout == "HND" and not (mla or fused) else []
         count = -(-moved // bs) + draw(st.integers(0, 1))  # a spare id: the tables must not touch its block
         tp = draw(TP_FEW)
         spec = KVSpec(block_size=bs, num_blocks=max(1, count + draw(st.integers(0, 3))), tp_size=tp,
@@ -125,9 +126,9 @@ def test_pair_tables_move_exactly_the_shared_kv(case, staged, seed, pads, data, 
     moved = (_round_up(num_tokens, g) if num_tokens is not None
              else min(len(s_ids) * src.block_size, len(d_ids) * dst.block_size))
     shared = np.intersect1d(owned_heads(src), owned_heads(dst))
-    layers, kv, vb = src.num_layers, 1 if src.mla else 2, src.head_dim * src.itemsize
+    layers, kv, vb = src.num_layers, src.kv_count, src.head_dim * src.itemsize
     wire = layers * kv * moved * shared.size * vb
-    event(f"{'staged' if staged else 'direct'} mla={src.mla} chunk={g} heads={shared.size}")
+    event(f"{'staged' if staged else 'direct'} mla={src.mla} fused={src.kv_fused} chunk={g} heads={shared.size}")
 
     # arena: [pad][source cache][pad][destination cache][pad][staging][pad]
     s_off = pads[0]

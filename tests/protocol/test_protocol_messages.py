@@ -32,7 +32,7 @@ def test_compat_hash_ignores_translatable_fields(change):
 @pytest.mark.parametrize(
     "change",
     [dict(model="other-model"), dict(dtype="float16"), dict(head_dim=128), dict(num_layers=5),
-     dict(num_kv_heads=4), dict(mla=True, num_kv_heads=1)],
+     dict(num_kv_heads=4), dict(mla=True, num_kv_heads=1), dict(kv_fused=True)],
 )
 def test_compat_hash_covers_identity_fields(change):
     h = compat_hash(spec(**change))
@@ -43,6 +43,7 @@ def test_compat_hash_covers_identity_fields(change):
 @pytest.mark.parametrize(
     "s",
     [spec(), spec(layout=Layout.HND, storage=Storage.CROSS_LAYER, tp_size=4, tp_rank=3),
+     spec(layout=Layout.HND, kv_fused=True), spec(storage=Storage.CROSS_LAYER, kv_fused=True),
      spec(mla=True, num_kv_heads=1, dtype="float8_e4m3fn"),
      spec(layout=Layout.HND, storage=Storage.HEAD_PACKED, dtype="float32", k_dim_chunk=1),
      spec(layout=Layout.HND, dtype="bfloat16", k_dim_chunk=8)],

@@ -52,8 +52,8 @@ def old_struct(cls: type, drop: tuple[str, ...] = (), retype: dict | None = None
                              tag=cfg.tag, tag_field=cfg.tag_field)
 
 
-#: The appended SpecWire field an old peer neither sends nor reads (a dim-major K).
-NEWER_SPEC_FIELDS = ("k_dim_chunk",)
+#: The appended SpecWire fields an old peer neither sends nor reads (a dim-major K, a fused cache).
+NEWER_SPEC_FIELDS = ("k_dim_chunk", "kv_fused")
 OldSpecWire = old_struct(SpecWire, drop=NEWER_SPEC_FIELDS)
 OldPeerInfo = old_struct(PeerInfo, drop=NEWER_FIELDS, retype={"spec": OldSpecWire})
 OldHello = old_struct(Hello, retype={"info": OldPeerInfo})

@@ -105,9 +105,9 @@ def test_heartbeats_keep_a_producers_hold_past_its_lease():
     ({"enforce_handshake_compat": False}, "enforce_handshake_compat"),
     ({"enforce_handshake_compat": "false"}, "enforce_handshake_compat"),
     ({"enforce_handshake_compat": "sometimes"}, "enforce_handshake_compat"),
-    ({"bidirectional_kv_xfer": True}, "bidirectional_kv_xfer"),
-    ({"bidirectional_kv_xfer": "True", "decoder_kv_blocks_ttl": 480}, "bidirectional_kv_xfer"),
+    ({"bidirectional_kv_xfer": "maybe"}, "bidirectional_kv_xfer"),
     ({"decoder_kv_blocks_ttl": "long"}, "decoder_kv_blocks_ttl"),
+    ({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 0}, "decoder_kv_blocks_ttl"),
     ({"kv_recompute_threshold": -1}, "kv_recompute_threshold"),
     ({"num_threads": -1}, "num_threads"),
     ({"num_threads": "four"}, "num_threads"),
@@ -124,6 +124,104 @@ def test_keys_kvxfer_cannot_honour_are_refused_at_start_up_naming_them(extra, ke
 ])
 def test_values_kvxfer_honours_are_accepted(extra):
     Settings.from_vllm(config(extra), environ={})
+
+
+# ---- bidirectional_kv_xfer, decoder_kv_blocks_ttl, kv_recompute_threshold -----------------------
+
+def test_bidirectional_keys_default_to_vllms_and_are_read():
+    s = Settings.from_vllm(config(), environ={})
+    assert (s.bidirectional, s.decoder_ttl, s.recompute_threshold) == (False, 480.0, 64)
+    s = Settings.from_vllm(config({"bidirectional_kv_xfer": "True", "decoder_kv_blocks_ttl": "30",
+                                   "kv_recompute_threshold": 0}), environ={})
+    assert (s.bidirectional, s.decoder_ttl, s.recompute_threshold) == (True, 30.0, 0)
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return [list(self.ids)]
+
+    def get_unhashed_block_ids_all_groups(self):
+        return [list(self.ids)]
+
+
+def _decoded(sched, request_id="d1"):
+    """A request decoded here for a producer: queued, loaded, finished after 3 tokens of a 8-token prompt."""
+    from vllm.v1.request import RequestStatus
+
+    request = _queued(request_id, "p1")
+    sched.after_alloc(request, _Blocks([5, 6, 7]), 8)
+    sched.update(SimpleNamespace(finished_recving={request_id}))
+    request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 10
+    return sched.finished(request, [[5, 6, 7]])
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_decode_keeps_decoded_blocks_for_the_next_turn_only_with_bidirectional(bidirectional):
+    from kvxfer_vllm.metadata import WorkerAddress
+
+    s = Settings.from_vllm(config({"bidirectional_kv_xfer": bidirectional, "decoder_kv_blocks_ttl": 90},
+                                  kv_role="kv_consumer"), environ={})
+    sched = KvxferScheduler(s, engine_id="d", tp_size=1, block_size=4)
+    sched.set_addresses({0: WorkerAddress("127.0.0.1", 5601, "d-engine")})
+    keep, answer = _decoded(sched)
+    orders = sched.build_orders(SimpleNamespace(num_scheduled_tokens={}))
+    if not bidirectional:
+        assert (keep, answer, orders.holds) == (False, None, {})
+        return
+    assert keep is True
+    assert (answer["do_remote_decode"], answer["do_remote_prefill"]) == (True, False)
+    assert (answer["remote_block_ids"], answer["remote_num_tokens"], answer["remote_port"]) == ([[5, 6, 7]], 10, 5601)
+    assert orders.holds == {"d1": (5, 6, 7)} and orders.hold_leases == {"d1": 90.0} and orders.kept == {"d1"}
+
+
+@pytest.mark.parametrize("threshold, loads", [(0, True), (10, True), (11, False)])
+def test_a_prefill_loads_the_next_turn_unless_under_the_recompute_threshold(threshold, loads):
+    """A kv_producer handed a decode instance's params loads its tokens (or, under the threshold,
+    computes them and gives D's hold back), and holds its own blocks for the next decoder."""
+    s = Settings.from_vllm(config({"bidirectional_kv_xfer": True, "kv_recompute_threshold": threshold},
+                                  kv_role="kv_producer"), environ={})
+    sched = KvxferScheduler(s, engine_id="p", tp_size=1, block_size=4)
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[5, 6, 7]],
+              "remote_request_id": "d1", "remote_host": "127.0.0.1", "remote_port": 5601,
+              "remote_engine_id": "d", "tp_size": 1, "remote_num_tokens": 10, "remote_block_size": 4}
+    request = SimpleNamespace(request_id="p2", kv_transfer_params=params, num_prompt_tokens=20,
+                              num_computed_tokens=0)
+    count, is_async = sched.matched_tokens(request, 0)
+    assert (count, is_async) == ((10, True) if loads else (0, False))
+    sched.after_alloc(request, _Blocks([1, 2, 3, 4, 8]), count)
+    orders = sched.build_orders(SimpleNamespace(num_scheduled_tokens={}))
+    if loads:
+        (load,) = orders.loads
+        assert (load.remote_request_id, load.local_blocks, load.remote_blocks) == ("d1", (1, 2, 3), (5, 6, 7))
+        assert orders.releases == []
+    else:
+        assert orders.loads == [] and [r.remote_request_id for r in orders.releases] == ["d1"]
+    assert sched.matched_tokens(request, 0) == (0, False)   # one load per request
+    assert "p2" in sched._producing                          # its own blocks are held for the decoder
+
+
+def test_without_bidirectional_a_prefill_ignores_a_decode_instances_params():
+    s = Settings.from_vllm(config(kv_role="kv_producer"), environ={})
+    sched = KvxferScheduler(s, engine_id="p", tp_size=1, block_size=4)
+    params = {"do_remote_decode": True, "remote_block_ids": [[5]], "remote_request_id": "d1",
+              "remote_host": "127.0.0.1", "remote_port": 5601, "remote_num_tokens": 4}
+    assert sched.matched_tokens(SimpleNamespace(request_id="p", kv_transfer_params=params, num_prompt_tokens=9), 0) \
+        == (0, False)
+
+
+def test_a_next_turn_hold_lives_for_its_own_lease():
+    """The worker holds with the order's lease (decoder_kv_blocks_ttl), not the agent's."""
+    peers = _Peers()
+    try:
+        agent, _ = peers.agent("d", 7150, seed=1, lease_timeout=60.0)
+        worker = _worker(agent)
+        worker.apply(StepOrders(holds={"turn": (1, 2)}, hold_leases={"turn": 0.3}, kept={"turn"}))
+        assert wait_for(lambda: "turn" in (agent.finished().expired or ()), timeout=5)
+    finally:
+        peers.close()
 
 
 # ---- num_threads --------------------------------------------------------------------------

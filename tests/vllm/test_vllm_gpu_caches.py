@@ -1,5 +1,6 @@
 """vLLM 0.32's GPU attention caches, built on CPU exactly as vLLM builds them, described by the adapter
-and checked against kvxfer's byte oracle, then moved between real Agents (byte-copying FakeBackend).
+and checked against kvxfer's byte oracle, then moved between Agents (byte-copying FakeBackend; the
+GPU script's cases also over NIXL between real processes, in host memory).
 
 vLLM 0.32 no longer asks a backend for a cache shape: ``vllm.v1.worker.utils.allocate_kv_cache``
 views one allocation as ``[blocks, heads, tokens, content]`` per layer, in the memory order of the
@@ -16,7 +17,8 @@ and read K and V as the backends do, from this table (vLLM 0.32 source, ``vllm/v
 | FlashInfer (flashinfer.py) | ``[B, H, N, 2*D]`` | permuted to HND, split on the last axis (NVFP4: K and V head groups, not covered) |
 | MLA backends (FlashMLA, FlashAttn MLA, Triton MLA, CUTLASS MLA, FlashInfer MLA) | ``[B, 1, N, latent]`` | one latent vector per token |
 
-So every one of them keeps ``K | V`` side by side in each head vector (``BACKEND_SPLIT``).
+So every one of them keeps ``K | V`` side by side in each head vector (``BACKEND_SPLIT``): the
+adapter describes that as a fused cache (``KVSpec.kv_fused``), element for element.
 """
 
 from __future__ import annotations
@@ -123,34 +125,29 @@ def test_layout_table_matches_vllm(layout, spec):
 
 # ---- what the adapter says about each layout ---------------------------------------------
 
-@pytest.mark.parametrize("layout, storage, kv_layout, heads_exact", [
-    (KVCacheLayout.LBHNC, "head_packed", "HND", True),   # the connector's default
-    (KVCacheLayout.LBNHC, "packed", "NHD", False),
-    (KVCacheLayout.BLHNC, "cross_layer", "HND", False),  # cross-layer blocks
-    (KVCacheLayout.BLNHC, "cross_layer", "NHD", False),
+@pytest.mark.parametrize("layout, storage, kv_layout", [
+    (KVCacheLayout.LBHNC, "split", "HND"),        # the connector's default
+    (KVCacheLayout.LBNHC, "split", "NHD"),
+    (KVCacheLayout.BLHNC, "cross_layer", "HND"),  # cross-layer blocks
+    (KVCacheLayout.BLNHC, "cross_layer", "NHD"),
 ])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_backend_caches_are_described_block_exact(layout, storage, kv_layout, heads_exact, dtype):
+def test_gpu_backend_caches_are_described_exactly(layout, storage, kv_layout, dtype):
     caches = vllm_caches(attention(dtype=dtype), layout)
     desc = describe(caches)
     assert (desc.spec.storage.value, desc.spec.layout.value, desc.spec.dtype) == \
         (storage, kv_layout, str(dtype).removeprefix("torch."))
-    assert desc.same_format_only and desc.head_slices_exact == heads_exact
-    # the oracle, reading the registered spec, finds each block's (each head's) bytes where vLLM put them
-    marks = mark_heads(caches)
+    assert desc.spec.kv_fused and desc.spec.head_dim == 2 * D and desc.spec.kv_count == 1
+    assert desc.head_slices_exact and not desc.same_format_only
+    _fill(caches, seed=7)
     agent = registered(desc)
     try:
-        arena = backing(caches)
-        for b in range(N):
-            got = logical_kv(agent.cache, arena, [b])  # [layers, kv, tokens, heads, vector bytes]
-            for layer in range(L):
-                if heads_exact:
-                    for h in range(H):
-                        assert (got[layer, :, :, h] == marks[layer, b, h]).all(), (layer, b, h)
-                else:
-                    values, counts = np.unique(got[layer], return_counts=True)
-                    assert list(values) == sorted(marks[layer, b, h] for h in range(H)), (layer, b)
-                    assert len(set(counts)) == 1
+        # the oracle, reading the registered spec, finds every token's K | V vector of every head
+        # where vLLM's backends read it: view[block, head, token]
+        got = logical_kv(agent.cache, backing(caches), list(range(N)))  # [layers, 1, tokens, heads, bytes]
+        for layer, view in enumerate(caches):
+            want = view.view(torch.uint8).permute(0, 2, 1, 3).reshape(N * BS, H, -1).numpy()
+            assert np.array_equal(got[layer, 0], want), layer
     finally:
         agent.close()
 
@@ -185,11 +182,11 @@ def test_the_cpu_kernels_order_is_not_assumed_for_a_gpu_backends_cache():
     cpu = describe_cache(caches, num_blocks=N, block_size=BS, num_kv_heads=H, head_size=D, tp_rank=0,
                          tp_size=1, model="m", cpu_isa="vec", cpu_kernel=True)
     gpu = describe(caches)
-    assert cpu.spec.k_dim_chunk == 1 and not cpu.same_format_only       # what vLLM's CPU kernel writes
-    assert gpu.spec.k_dim_chunk == 0 and gpu.same_format_only           # FlashAttention & co: K | V per vector
+    assert cpu.spec.k_dim_chunk == 1 and not cpu.spec.kv_fused        # what vLLM's CPU kernel writes
+    assert gpu.spec.k_dim_chunk == 0 and gpu.spec.kv_fused            # FlashAttention & co: K | V per vector
 
 
-# ---- moves between Agents: TP 1->1, 2->1, 1->2, fp8, MLA; HND <-> NHD refused ------------------
+# ---- moves between Agents: TP 1->1, 2->1, 1->2, fp8, MLA, HND <-> NHD ---------------------------
 
 class _Pair:
     def __init__(self):
@@ -208,9 +205,9 @@ class _Pair:
             a.close()
 
 
-def _read(agent, address, dst, src):
-    """As the connector's worker reads a cache described ``same_format_only``."""
-    return agent.read_many([ReadRequest(address, dst, src, "req", same_format=True)])[0].wait(10)
+def _read(agent, address, dst, src, same_format=False):
+    """As the connector's worker reads (``same_format`` where the cache is described ``same_format_only``)."""
+    return agent.read_many([ReadRequest(address, dst, src, "req", same_format=same_format)])[0].wait(10)
 
 
 def _fill(caches, seed):
@@ -261,7 +258,7 @@ def test_mla_and_cross_layer_caches_move_byte_exact():
             producer, address = pair.agent(f"p-{layout.name}-{is_mla}", describe(p, heads, head, is_mla=is_mla))
             consumer, _ = pair.agent(f"d-{layout.name}-{is_mla}", describe(d, heads, head, is_mla=is_mla))
             producer.hold("req", [0, 3])
-            _read(consumer, address, [5, 1], [0, 3])
+            _read(consumer, address, [5, 1], [0, 3], same_format=describe(d, heads, head, is_mla=is_mla).same_format_only)
             for layer in range(L):
                 assert torch.equal(d[layer][[5, 1]].view(torch.uint8), p[layer][[0, 3]].view(torch.uint8))
                 assert not d[layer][[0, 2, 3, 4]].view(torch.uint8).any()
@@ -269,15 +266,59 @@ def test_mla_and_cross_layer_caches_move_byte_exact():
         pair.close()
 
 
-def test_hnd_and_nhd_gpu_caches_are_not_mixed():
+@pytest.mark.parametrize("p_layout, d_layout", [
+    (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC), (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC),
+    (KVCacheLayout.BLHNC, KVCacheLayout.LBNHC), (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC),
+], ids=lambda x: x.name)
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_hnd_and_nhd_gpu_caches_convert_byte_exact(p_layout, d_layout, p_tp, d_tp, dtype):
+    """A decode cache of the other layout (and TP size) gets every K | V vector where its own layout
+    keeps it: compared in vLLM's logical ``[blocks, heads, tokens, K | V]`` view on both sides."""
     pair = _Pair()
     try:
-        p = vllm_caches(attention(), KVCacheLayout.LBHNC)
-        d = vllm_caches(attention(), KVCacheLayout.LBNHC)
-        producer, address = pair.agent("p", describe(p))
+        src, dst = [1, 4, 2], [0, 5, 3]
+        producers, p_caches = [], []
+        for r in range(p_tp):
+            caches = vllm_caches(attention(H // p_tp, dtype), p_layout)
+            _fill(caches, seed=20 + r)
+            agent, address = pair.agent(f"p{r}", describe(caches, tp_rank=r, tp_size=p_tp))
+            agent.hold("req", src)
+            producers.append(address)
+            p_caches.append(caches)
+        for r in range(d_tp):
+            caches = vllm_caches(attention(H // d_tp, dtype), d_layout)
+            agent, _ = pair.agent(f"d{r}", describe(caches, tp_rank=r, tp_size=d_tp))
+            _read(agent, producers[0], dst, src)
+            for layer in range(L):
+                for i, h in enumerate(range(r * H // d_tp, (r + 1) * H // d_tp)):
+                    pr, ph = divmod(h, H // p_tp)
+                    want = p_caches[pr][layer][src, ph]
+                    assert torch.equal(caches[layer][dst, i].view(torch.uint8), want.view(torch.uint8)), (layer, h)
+                assert not caches[layer][[1, 2, 4]].view(torch.uint8).any()
+    finally:
+        pair.close()
+
+
+def test_a_fused_cache_and_a_split_one_do_not_pair():
+    """A vLLM GPU cache (K | V in one vector) and a cache of separate K and V (kvxfer-hf, another
+    engine) are not the same cache: the handshake refuses it typed (the compat hash covers kv_fused)
+    and nothing lands."""
+    from kvxfer import IncompatiblePeerError, KVSpec
+
+    pair = _Pair()
+    try:
+        d = vllm_caches(attention(dtype=torch.float16), KVCacheLayout.LBHNC)
         consumer, _ = pair.agent("d", describe(d))
+        # head_dim 2D, as the fused description says: only kv_fused tells the two apart
+        split = KVSpec(num_layers=L, num_kv_heads=H, head_dim=2 * D, block_size=BS, num_blocks=N, dtype="float16",
+                       layout="HND", model="m")
+        from types import SimpleNamespace
+
+        other = SimpleNamespace(spec=split, tensors=[torch.ones(s, dtype=torch.float16) for s in split.tensor_shapes()])
+        producer, address = pair.agent("p", other)
         producer.hold("req", [0])
-        with pytest.raises(LayoutError, match="same format.*HND, storage head_packed.*NHD, packed"):
+        with pytest.raises(IncompatiblePeerError, match="compat hash .*kv_fused"):
             _read(consumer, address, [1], [0])
         assert not d[0].view(torch.uint8).any()
     finally:
@@ -286,16 +327,13 @@ def test_hnd_and_nhd_gpu_caches_are_not_mixed():
 
 # ---- the GPU host's script, run here over NIXL in host memory (real processes) ------------------
 
-@pytest.mark.parametrize("name", ["tp2-1-lbhnc-bf16", "tp1-2-lbhnc-fp8", "tp2-1-mla"])
+@pytest.mark.parametrize("name", ["tp2-1-lbhnc-bf16", "tp1-2-lbhnc-fp8", "tp2-1-mla", "tp2-1-lbnhc-to-lbhnc-fp8",
+                                  "tp1-2-lbhnc-to-lbnhc-bf16", "tp1-1-blhnc-to-lbnhc-bf16"])
 def test_the_gpu_scripts_cases_hold_in_host_memory(name):
     """tests/gpu/test_vllm_caches_gpu.py's cases with ``cpu`` tensors: its producer processes, NIXL
     reads and byte checks run here, so on the GPU host only the GPU memory is new."""
     gpu_script = _gpu_script()
     gpu_script.run_case(name, "cpu", "cpu")
-
-
-def test_the_gpu_scripts_refusal_holds_in_host_memory():
-    _gpu_script().run_mixed("cpu", "cpu")
 
 
 def _gpu_script():
