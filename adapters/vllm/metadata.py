@@ -26,6 +26,7 @@ class LoadOrder:
     remote_blocks: tuple[int, ...]
     remote_tp_size: int = 1
     num_tokens: int | None = None
+    hold_token: tuple[int, int, int] | None = None  # the producer's ``remote_hold_token``: read without a claim
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class StepOrders(KVConnectorMetadata):
     """One step's orders for every worker.
 
     Producer side: ``holds`` (request id -> block ids to keep readable, issued in the step that
-    completes the prompt, so the hold exists before the answer leaves), ``kept`` (requests whose
+    completes the prompt, so the hold exists before the answer leaves), ``tokens`` (a hold's
+    token, chosen here so that the answer can carry it: every worker writes the same one), ``kept`` (requests whose
     blocks vLLM keeps until the workers report them sent), ``dropped`` (holds to release:
     the request did not end in a way that hands its KV on).
     Consumer side: ``loads`` to start, ``releases`` to send, ``cancels`` (own request ids whose
@@ -60,6 +62,7 @@ class StepOrders(KVConnectorMetadata):
     """
 
     holds: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tokens: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # the holds' tokens (``TokenBook``)
     kept: set[str] = field(default_factory=set)
     dropped: set[str] = field(default_factory=set)
     loads: list[LoadOrder] = field(default_factory=list)

@@ -25,7 +25,7 @@ DEFAULT_NUM_THREADS = 4           # num_threads
 KNOWN_KEYS = frozenset({
     "backends", "enable_cross_layers_blocks", "kv_lease_duration", "engine_ttl", "enforce_handshake_compat",
     "num_threads", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "kv_recompute_threshold",
-    "transfer_timeout", "handshake_timeout",
+    "transfer_timeout", "handshake_timeout", "use_hold_tokens",
 })
 
 _warned_unknown: set[str] = set()   # unknown keys already logged by this process
@@ -57,6 +57,11 @@ class Settings:
         handshake_timeout: seconds one side-channel round trip may take
             (kv_connector_extra_config.handshake_timeout).
         dp_rank: this engine's data-parallel rank (side-channel port offset).
+        use_hold_tokens: a decode instance's loads read by the producer's ``remote_hold_token``
+            (no claim: none of the prefill instance's CPU; docs/reliability.md, "hold tokens")
+            where it proves the hold (kv_connector_extra_config.use_hold_tokens, default true;
+            false: every load claims, as a decoder from before hold tokens does). A prefill
+            instance always answers its hold's token (``AgentConfig.hold_words`` slots, 65,536).
     """
 
     role: str = "kv_both"
@@ -70,6 +75,7 @@ class Settings:
     handshake_timeout: float | None = None
     dp_rank: int = 0
     num_threads: int = 0
+    use_hold_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -115,7 +121,13 @@ class Settings:
             handshake_timeout=None if handshake is None else parse_seconds(handshake, "handshake_timeout"),
             dp_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0),
             num_threads=_count(extra.get("num_threads", DEFAULT_NUM_THREADS), "num_threads"),
+            use_hold_tokens=parse_flag(extra.get("use_hold_tokens", True), "kv_connector_extra_config.use_hold_tokens"),
         )
+
+    @property
+    def hold_words(self) -> int:
+        """Slots of each worker's table of hold words (``AgentConfig.hold_words``; 0: no tokens)."""
+        return self.agent_config().hold_words
 
     def agent_config(self) -> AgentConfig:
         """The kvxfer AgentConfig: side-channel host/port from the environment (KVXFER_*, then VLLM_NIXL_*)."""

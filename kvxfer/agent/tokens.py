@@ -18,14 +18,15 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvxfer.engine.holdwords import WordView, hold_tag
-from kvxfer.errors import KvxferError, LeaseExpiredError
+from kvxfer.errors import ConfigError, KvxferError, LeaseExpiredError
 from kvxfer.layout import expected_notifications
+from kvxfer.layout.request import check_block_ids
 from kvxfer.types import HoldToken
 
 if TYPE_CHECKING:
     from kvxfer.agent.core import Agent
 
-__all__ = ["TokenReads", "tag_error"]
+__all__ = ["TokenReads", "reserve_token", "tag_error"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -39,6 +40,19 @@ def tag_error(request_id: str, token: HoldToken, remote_ids) -> LeaseExpiredErro
         f"request {request_id!r}: its hold token (slot {token.slot}, epoch {token.epoch}) was not given for "
         f"this request and these {len(remote_ids)} remote blocks (tag {token.tag:#x}, expected {tag:#x}): "
         "nothing was read or sent")
+
+
+def reserve_token(words, request_id: str, block_ids, num_blocks: int, token, named) -> None:
+    """``Agent.hold(..., token=)``'s checks and reservation (``HoldWords.reserve``); raises
+    ``BlockIdError`` for bad ids and ``ConfigError`` for the token, naming the value, changing nothing."""
+    ids = check_block_ids("held", block_ids, num_blocks)
+    if words is None:
+        raise ConfigError(f"request {request_id!r}: a hold token needs this agent's table of hold words "
+                          "(AgentConfig.hold_words is 0)")
+    if named:
+        raise ConfigError(f"request {request_id!r}: a hold naming consumer engines takes no token (its reads "
+                          f"claim, so the names are checked); got token {token!r}")
+    words.reserve(request_id, token, ids)
 
 
 class TokenReads:
