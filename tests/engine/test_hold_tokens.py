@@ -309,3 +309,29 @@ def test_a_callers_token_needs_a_table(harness):
         prod.hold("r", [1], token=HoldToken(0, 1, hold_tag("r", [1])))
     assert not prod.holding("r")
 
+
+# ---- the look across hosts: one small READ of the word through the backend ------------------
+def test_a_token_read_looks_at_the_word_through_the_backend_where_it_cannot_map_it(harness, counted, monkeypatch):
+    from kvxfer.agent.tokens import TokenReads
+    from kvxfer.engine.remotewords import RemoteWordView
+
+    monkeypatch.setattr(TokenReads, "map_same_host", False)  # as a consumer on another host
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    link = cons.connect(*prod.address)
+    assert link.info.hold_words_addr and isinstance(cons._tokens.view(link), RemoteWordView)
+    prod.hold("r1", [5, 1, 7])
+    token = prod.hold_token("r1")
+    before = counted["n"]
+    stats = cons.read_many([ReadRequest(prod.address, [0, 3, 9], [5, 1, 7], "r1", token=token)])[0].wait(5)
+    _same(ccache, pcache, [0, 3, 9], [5, 1, 7], s)
+    assert stats.by_token and counted["n"] == before
+    assert wait_for(lambda: not prod.holding("r1"))
+    prod.hold("r2", [2, 4])
+    old = prod.hold_token("r2")
+    prod.release("r2")
+    prod.hold("r2", [2, 4])   # a later hold in the slot: the old token's look sees its epoch
+    with pytest.raises(LeaseExpiredError, match="hold ended"):
+        cons.read_many([ReadRequest(prod.address, [0, 3], [2, 4], "r2", token=old)])[0].wait(5)
+    assert counted["n"] == before and prod.holding("r2") and prod.hold_token("r2") != old
