@@ -7,8 +7,9 @@ consumer on another machine must, with a 16-byte NIXL READ posted after the data
 The producer's engine overwrites a hold's blocks with ``REUSED`` the moment ``finished()`` lists it
 (tests/chaos/chaos_peers.py), so a read that succeeded with bytes of an ended hold shows up as wrong
 bytes. Each case runs three times: a token read is exact and sends no claim; release, expiry, the
-consumer's abort and SIGKILL of the producer before or during the move fail typed or (a release or
-kill that came after the move and the look) are exact; none succeeds with other bytes.
+consumer's abort, SIGSTOP (1 s) and SIGKILL of the producer before or during the move fail typed or
+(a release or kill that came after the move and the look, a stopped producer that ran again) are
+exact; none succeeds with other bytes; a stale token fails typed and leaves the new hold alone.
 """
 
 from __future__ import annotations
@@ -260,6 +261,28 @@ def test_token_reads_across_hosts_are_exact_or_typed_never_reused(pair):
         assert name == "exact" and got == want and by_token and claims == 0, name
         outcomes.setdefault("stale token", []).append("LeaseExpiredError")
         _settle(prod, rid)
+
+    # SIGSTOP of the producer before and during the move, for 1 s (its UCX answers neither the move nor
+    # the look meanwhile): exact once it runs again (nothing could reuse the blocks while it was
+    # stopped) or typed, never reused bytes
+    def stop():
+        os.kill(prod.proc.pid, signal.SIGSTOP)
+
+    def resume_after_a_second():
+        time.sleep(1.0)
+        os.kill(prod.proc.pid, signal.SIGCONT)
+
+    for when in ("before", "during"):
+        for trial in range(TRIALS):
+            src, dst = _ids(trial, 9 if when == "before" else 10)
+            rid = f"stop-{when}-{trial}"
+            acts = ({"before": stop, "during": resume_after_a_second} if when == "before"
+                    else {"during": lambda: (stop(), resume_after_a_second())})
+            name, by_token, claims, want, got = _read(prod, cons, src, dst, rid, **acts)
+            assert (name == "exact" and got == want and by_token) or name in TYPED, name
+            assert claims == 0
+            outcomes.setdefault(f"SIGSTOP {when}", []).append(name)
+            _settle(prod, rid)
 
     # SIGKILL of the producer before and during the move: typed (or exact: the move and the look were done)
     for when in ("before", "during"):
