@@ -187,7 +187,7 @@ class TestKvxferConnector(PDContract):
         failed = lambda server: server.log_text().count("kvxfer: load of")  # noqa: E731 (a failed load's warning)
         failures = failed(d_server)  # D recomputes a failed load: its answer alone would not show one
         route_pd(p, d, prompt_of(40, seed=96), MAX_TOKENS)  # D has handshaken P: its loads may skip the claim
-        prompt = prompt_of(3 * BLOCK_SIZE + 5, seed=95, last=6)
+        prompt = prompt_of(3 * BLOCK_SIZE + 5, seed=195, last=6)
         ref = reference(p, prompt)
         params = prefill(p, prompt).kv_transfer_params
         token = params["remote_hold_token"]
@@ -196,7 +196,7 @@ class TestKvxferConnector(PDContract):
         assert d.complete(prompt, MAX_TOKENS, kv_transfer_params=params).token_ids == ref
         assert by_token(d_server) == before + 1 and d.metric(EXTERNAL_HITS) - hits >= len(prompt) - 1
         # a producer from before hold tokens: its answer has no token, and D claims
-        older = prompt_of(2 * BLOCK_SIZE + 9, seed=97, last=6)
+        older = prompt_of(2 * BLOCK_SIZE + 9, seed=197, last=6)
         ref_older = reference(p, older)
         params = prefill(p, older).kv_transfer_params
         del params["remote_hold_token"]
@@ -206,7 +206,7 @@ class TestKvxferConnector(PDContract):
         assert failed(d_server) == failures
         # a decoder from before hold tokens (P ignores them) reads D's answer, token and all, by the claim
         route_pd(d, p, prompt_of(40, seed=98), MAX_TOKENS)
-        back = prompt_of(2 * BLOCK_SIZE + 3, seed=99, last=6)
+        back = prompt_of(2 * BLOCK_SIZE + 3, seed=199, last=6)
         ref_back = reference(d, back)
         params = prefill(d, back).kv_transfer_params
         assert "remote_hold_token" in params
