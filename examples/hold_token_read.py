@@ -6,13 +6,16 @@ queue; engines send it in kv_transfer_params as ``remote_hold_token``). The deco
 with it: the bytes move at once, and the read succeeds only if the producer's hold word still
 equals the token once they have moved (docs/reliability.md, "hold tokens"). A second read with
 the same token after the producer released the request fails with LeaseExpiredError.
+
+req-1's token is chosen before the hold, as an engine whose answer leaves before its hold is made
+does (vLLM's scheduler): ``TokenBook.issue`` gives it and ``Agent.hold(..., token=)`` holds under it.
 """
 
 import multiprocessing as mp
 
 import numpy as np
 
-from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, LeaseExpiredError, ReadRequest
+from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, LeaseExpiredError, ReadRequest, TokenBook
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", layout="NHD", model="example-model")
@@ -30,9 +33,12 @@ def prefill(params, done) -> None:
     with Agent("prefill", SPEC, config) as agent:
         agent.register(cache)
         agent.listen()
-        for rid in ("req-1", "req-2"):
-            agent.hold(rid, [10, 11, 3])
-            params.put((rid, [10, 11, 3], agent.hold_token(rid).wire()))   # what kv_transfer_params carry
+        book = TokenBook(config.hold_words)               # the scheduler's mirror of the table
+        token = book.issue("req-1", [10, 11, 3])          # chosen by the scheduler, before the hold
+        agent.hold("req-1", [10, 11, 3], token=token)     # the worker holds under it
+        params.put(("req-1", [10, 11, 3], token.wire()))  # what kv_transfer_params carry (after the hold)
+        agent.hold("req-2", [10, 11, 3])                  # or the table chooses, and hold_token() tells
+        params.put(("req-2", [10, 11, 3], agent.hold_token("req-2").wire()))
         while "req-1" not in agent.finished().freed:
             done.wait(0.01)
         agent.release("req-2")            # the engine takes req-2's blocks back: its token is dead now
@@ -52,6 +58,7 @@ def decode(params, done) -> None:
         expected = make_cache(seed=1)
         for layer in range(SPEC.num_layers):
             assert np.array_equal(cache[layer][:, [0, 1, 2]], expected[layer][:, [10, 11, 3]])
+        assert stats.by_token
         print(f"decode: {rid1}: {stats.num_bytes} bytes by its token, every byte matches")
         assert params.get(timeout=60) == "released"
         late = ReadRequest(("127.0.0.1", PORT), [4, 5, 6], ids2, rid2, 30, token=HoldToken.from_wire(wire2))

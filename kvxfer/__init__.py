@@ -7,6 +7,7 @@ See docs/api.md for the public API and docs/architecture.md for the layers.
 
 from kvxfer.config import AgentConfig
 from kvxfer.engine.handles import TransferHandle, TransferStats
+from kvxfer.engine.holdwords import TokenBook, hold_tag
 from kvxfer.errors import (
     AbortedError,
     AlreadyHeldError,
@@ -88,6 +89,7 @@ __all__ = [
     "StateSpec",
     "StateTensor",
     "Storage",
+    "TokenBook",
     "TransferError",
     "TransferFailedError",
     "TransferHandle",
@@ -96,5 +98,6 @@ __all__ = [
     "TransferTimeoutError",
     "WaitTimeout",
     "WriteStream",
+    "hold_tag",
     "__version__",
 ]

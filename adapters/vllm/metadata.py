@@ -26,6 +26,7 @@ class LoadOrder:
     remote_blocks: tuple[int, ...]
     remote_tp_size: int = 1
     num_tokens: int | None = None
+    hold_token: tuple[int, int, int] | None = None  # the producer's ``remote_hold_token``: read without a claim
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class StepOrders(KVConnectorMetadata):
     Producer side: ``holds`` (request id -> block ids to keep readable, issued in the step that
     completes the prompt, so the hold exists before the answer leaves; a decode instance's
     blocks kept for the next turn in the step after the request finished), ``hold_leases``
-    (request id -> the lease of that hold, where not the agent's own), ``kept`` (requests whose
+    (request id -> the lease of that hold, where not the agent's own), ``tokens`` (a hold's
+    token, chosen here so that the answer can carry it: every worker writes the same one), ``kept`` (requests whose
     blocks vLLM keeps until the workers report them sent), ``dropped`` (holds to release:
     the request did not end in a way that hands its KV on).
     Consumer side: ``loads`` to start, ``releases`` to send, ``cancels`` (own request ids whose
@@ -63,6 +65,7 @@ class StepOrders(KVConnectorMetadata):
 
     holds: dict[str, tuple[int, ...]] = field(default_factory=dict)
     hold_leases: dict[str, float] = field(default_factory=dict)   # seconds, where not the agent's lease
+    tokens: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # the holds' tokens (``TokenBook``)
     kept: set[str] = field(default_factory=set)
     dropped: set[str] = field(default_factory=set)
     loads: list[LoadOrder] = field(default_factory=list)

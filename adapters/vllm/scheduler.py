@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Any, Callable
 
+from kvxfer import TokenBook
+
 from kvxfer_vllm.extent import load_blocks, tokens_to_load
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.params import (
@@ -51,6 +53,11 @@ class KvxferScheduler:
         self._queued: dict[str, RemotePrefill] = {}   # consumer requests waiting here, not loading yet
         self._decoded: set[str] = set()               # requests decoded here for a producer (next-turn holds)
         self._last_beat = clock()
+        # issue 35: the workers' hold words mirrored here, so the answer can carry each hold's token
+        # (the answer leaves from this process before a worker could tell its own)
+        slots = settings.hold_words if settings.produces else 0
+        self._book: TokenBook | None = TokenBook(slots) if slots else None
+        self._tokens: dict[str, tuple[int, int, int]] = {}  # request id -> the token its workers hold under
 
     # ---- wiring ----------------------------------------------------------------------
     def bind(self, kv_cache_manager: Any) -> None:
@@ -130,9 +137,12 @@ class KvxferScheduler:
         blocks = load_blocks(computed=computed, count=num_external_tokens, fresh=fresh,
                              remote_ids=remote.block_ids, local_block=self._block_size,
                              remote_block=remote.block_size)
+        # a token proves a hold of exactly the ids it was given for: a load of fewer claims
+        token = remote.hold_token if self._settings.use_hold_tokens \
+            and tuple(blocks.remote) == tuple(remote.block_ids) else None
         self._orders.loads.append(LoadOrder(
             request.request_id, remote.request_id, remote.host, remote.port,
-            blocks.local, blocks.remote, remote.tp_size, blocks.num_tokens))
+            blocks.local, blocks.remote, remote.tp_size, blocks.num_tokens, token))
         self._loading.add(request.request_id)
 
     # ---- every step ------------------------------------------------------------------
@@ -145,6 +155,7 @@ class KvxferScheduler:
                 blocks = _first_group(self._kv_cache_manager.get_block_ids(request_id))
                 self._orders.holds[request_id] = blocks
                 self._held[request_id] = blocks
+                self._issue_token(request_id, blocks)
                 del self._producing[request_id]
         self._heartbeat()
         orders, self._orders = self._orders, StepOrders()
@@ -167,6 +178,22 @@ class KvxferScheduler:
     def update(self, connector_output: Any) -> None:
         for request_id in connector_output.finished_recving or ():
             self._loading.discard(request_id)
+        for request_id in connector_output.finished_sending or ():  # the workers' holds ended
+            self._retire_token(request_id)
+
+    def _issue_token(self, request_id: str, blocks: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """A token for the hold ordered this step (None: no table, or every slot taken)."""
+        token = self._book.issue(request_id, blocks) if self._book is not None and blocks else None
+        if token is None:
+            self._tokens.pop(request_id, None)
+            return None
+        self._orders.tokens[request_id] = self._tokens[request_id] = token.wire()
+        return token.wire()
+
+    def _retire_token(self, request_id: str) -> None:
+        if self._book is not None:
+            self._book.retire(request_id)
+        self._tokens.pop(request_id, None)
 
     # ---- end of a request ------------------------------------------------------------
     def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -199,19 +226,26 @@ class KvxferScheduler:
         final = _first_group(block_ids)
         if not normal or not final:
             self._orders.dropped.add(request_id)
+            self._retire_token(request_id)
             return False, None
+        token = self._tokens.get(request_id)
         if final != held:
             self._orders.holds[request_id] = final   # decoded past the prompt: hold every block
+            # the new hold gets a new token, but it is made in the next step, after this answer
+            # left: a read by it could come first and fail, so the answer carries none (it claims)
+            self._issue_token(request_id, final)
+            token = None
         if self._address is None:  # vLLM did not hand us the workers' address: nobody can pull
             log.error("kvxfer: no side-channel address from the workers; %s is not kept for a decoder",
                       request_id)
             self._orders.dropped.add(request_id)
+            self._retire_token(request_id)
             return False, None
         self._orders.kept.add(request_id)
         return True, producer_answer(
             request_id=request_id, block_ids=final, engine_id=self._address.engine_id,
             host=self._address.host, port=self._address.port, tp_size=self._tp_size,
-            num_tokens=request.num_computed_tokens, block_size=self._block_size)
+            num_tokens=request.num_computed_tokens, block_size=self._block_size, hold_token=token)
 
 
     def _keep_for_next_turn(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

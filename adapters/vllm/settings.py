@@ -27,7 +27,7 @@ DEFAULT_RECOMPUTE_THRESHOLD = 64  # kv_recompute_threshold (likewise)
 KNOWN_KEYS = frozenset({
     "backends", "enable_cross_layers_blocks", "kv_lease_duration", "engine_ttl", "enforce_handshake_compat",
     "num_threads", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "kv_recompute_threshold",
-    "transfer_timeout", "handshake_timeout",
+    "transfer_timeout", "handshake_timeout", "use_hold_tokens",
 })
 
 _warned_unknown: set[str] = set()   # unknown keys already logged by this process
@@ -66,6 +66,11 @@ class Settings:
             computing them (unless fewer than ``recompute_threshold``), whatever ``role`` says.
         decoder_ttl: kv_connector_extra_config.decoder_kv_blocks_ttl (vLLM's 480 s).
         recompute_threshold: kv_connector_extra_config.kv_recompute_threshold (vLLM's 64 tokens; 0: always load).
+        use_hold_tokens: a decode instance's loads read by the producer's ``remote_hold_token``
+            (no claim: none of the prefill instance's CPU; docs/reliability.md, "hold tokens")
+            where it proves the hold (kv_connector_extra_config.use_hold_tokens, default true;
+            false: every load claims, as a decoder from before hold tokens does). A prefill
+            instance always answers its hold's token (``AgentConfig.hold_words`` slots, 65,536).
     """
 
     role: str = "kv_both"
@@ -82,6 +87,7 @@ class Settings:
     bidirectional: bool = False
     decoder_ttl: float = DEFAULT_DECODER_TTL
     recompute_threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
+    use_hold_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -133,7 +139,13 @@ class Settings:
                                       "kv_connector_extra_config.decoder_kv_blocks_ttl"),
             recompute_threshold=_count(extra.get("kv_recompute_threshold", DEFAULT_RECOMPUTE_THRESHOLD),
                                        "kv_recompute_threshold"),
+            use_hold_tokens=parse_flag(extra.get("use_hold_tokens", True), "kv_connector_extra_config.use_hold_tokens"),
         )
+
+    @property
+    def hold_words(self) -> int:
+        """Slots of each worker's table of hold words (``AgentConfig.hold_words``; 0: no tokens)."""
+        return self.agent_config().hold_words
 
     def agent_config(self) -> AgentConfig:
         """The kvxfer AgentConfig: side-channel host/port from the environment (KVXFER_*, then VLLM_NIXL_*)."""

@@ -24,7 +24,7 @@ __all__ = ["KvxferKVConnectorStats", "KvxferPromMetrics"]
 
 #: Per-transfer observations (successful loads), then failure/expiry counts (one ``1`` each).
 _SERIES = ("transfer_duration", "setup_duration", "claim_duration", "bytes_transferred", "num_descriptors")
-_COUNTS = ("num_failed_transfers", "num_expired_reqs")
+_COUNTS = ("num_failed_transfers", "num_expired_reqs", "num_token_reads")
 
 
 @dataclass
@@ -33,7 +33,8 @@ class KvxferKVConnectorStats(KVConnectorStats):
 
     ``transfer_duration``: seconds from post to completion; ``setup_duration``: from the read call
     to the post (claim included); ``claim_duration``: the claim round trips; then bytes and
-    descriptors per load. ``num_failed_transfers``: loads that failed (refused, lost peer,
+    descriptors per load. ``num_token_reads``: successful loads that read by the producer's hold
+    token (no claim). ``num_failed_transfers``: loads that failed (refused, lost peer,
     timeout; cancelled loads are not failures). ``num_expired_reqs``: producer holds that ended
     without every consumer done (lease expiry or a consumer's abort).
     """
@@ -51,6 +52,8 @@ class KvxferKVConnectorStats(KVConnectorStats):
         self.data["claim_duration"].append(stats.claim_seconds)
         self.data["bytes_transferred"].append(stats.num_bytes)
         self.data["num_descriptors"].append(stats.descriptors)
+        if getattr(stats, "by_token", False):  # proved by the producer's hold token: no claim (issue 35)
+            self.data["num_token_reads"].append(1)
 
     def record_failed_transfer(self) -> None:
         self.data["num_failed_transfers"].append(1)
@@ -90,6 +93,7 @@ class KvxferKVConnectorStats(KVConnectorStats):
         total_mb = sum(self.data["bytes_transferred"]) / 2**20
         total_s = sum(seconds)
         out.update({
+            "Num token reads": len(self.data.get("num_token_reads", ())),
             "Avg xfer time (ms)": round(total_s / n * 1e3, 3),
             "P90 xfer time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
             "Avg setup time (ms)": round(sum(self.data["setup_duration"]) / n * 1e3, 3),
@@ -119,6 +123,8 @@ _HISTOGRAMS = {
 _COUNTERS = {
     "num_failed_transfers": ("vllm:kvxfer_num_failed_transfers",
                              "kvxfer KV loads that failed (refused, peer lost, timed out)."),
+    "num_token_reads": ("vllm:kvxfer_num_token_reads",
+                        "kvxfer KV loads that proved the prefill's hold by its hold token, with no claim."),
     "num_expired_reqs": ("vllm:kvxfer_num_expired_reqs",
                          "Prefill holds that ended without every decoder done (lease expiry or abort); "
                          "counted on the prefill instance."),

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer import Agent, ConfigError, KvxferError, ReadRequest, TransferHandle
+from kvxfer import Agent, ConfigError, HoldToken, KvxferError, ReadRequest, TransferHandle
 
 from kvxfer_vllm.cache import CacheDescription, describe_cache
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, StepOrders, WorkerAddress
@@ -123,13 +123,12 @@ class KvxferWorker:
     def apply(self, orders: StepOrders) -> None:
         """Carry out one step's orders (called before the forward pass)."""
         agent = self._require_agent()
-        for request_id, blocks in orders.holds.items():
-            agent.hold(request_id, blocks, replace=True,  # the scheduler re-holds a request decoded past its prompt
-                       lease=orders.hold_leases.get(request_id))
-        self._kept |= orders.kept
-        for request_id in orders.dropped:
+        for request_id in orders.dropped:  # first: their slots of hold words may be this step's holds'
             self._ignored.add(request_id)
             agent.release(request_id)
+        for request_id, blocks in orders.holds.items():
+            self._hold(agent, request_id, blocks, orders.tokens.get(request_id), orders.hold_leases.get(request_id))
+        self._kept |= orders.kept
         self._start_loads(agent, orders.loads)
         for release in orders.releases:
             agent.abort(release.remote_request_id, remote=(release.host, release.port), wait=False)
@@ -196,6 +195,20 @@ class KvxferWorker:
             self._agent = None
 
     # ---- internals -----------------------------------------------------------------
+    @staticmethod
+    def _hold(agent: Agent, request_id: str, blocks, token, lease: float | None) -> None:
+        """Hold under the scheduler's token (issue 35: its answer carries it); the scheduler
+        re-holds a request decoded past its prompt (``replace``). ``lease``: the hold's own (a
+        decode instance's blocks kept for the next turn), else the agent's."""
+        if token is not None:
+            try:
+                agent.hold(request_id, blocks, replace=True, token=HoldToken(*token), lease=lease)
+                return
+            except ConfigError as exc:  # e.g. its slot still ends another hold: reads by that token fail typed
+                log.warning("kvxfer: hold of %s without the scheduler's token (its token reads will fail and "
+                            "be reported as failed loads): %s", request_id, exc)
+        agent.hold(request_id, blocks, replace=True, lease=lease)
+
     def _send_heartbeat(self, agent: Agent, beat: HeartbeatOrder) -> None:
         """``Agent.keepalive`` on a helper thread (it waits for the producer's answer); never raises."""
         if self._beats is None:
@@ -243,8 +256,9 @@ class KvxferWorker:
         error = load.handle.exception()
         if error is None:
             stats = load.handle.wait(0)
-            log.info("kvxfer read %s: %d bytes, %d descriptors, %.3f ms (%s)", load.order.request_id,
-                     stats.num_bytes, stats.descriptors, stats.seconds * 1e3, stats.mode)
+            log.info("kvxfer read %s: %d bytes, %d descriptors, %.3f ms (%s%s)", load.order.request_id,
+                     stats.num_bytes, stats.descriptors, stats.seconds * 1e3, stats.mode,
+                     ", by hold token" if stats.by_token else "")
         return error
 
     def _start_loads(self, agent: Agent, orders: list[LoadOrder]) -> None:
@@ -260,7 +274,8 @@ class KvxferWorker:
                 ready.append(order)
         same_format = bool(cache is not None and cache.same_format_only)
         requests = [ReadRequest((o.host, o.port), list(o.local_blocks), list(o.remote_blocks),
-                                o.remote_request_id, same_format=same_format, num_tokens=o.num_tokens)
+                                o.remote_request_id, same_format=same_format, num_tokens=o.num_tokens,
+                                token=HoldToken(*o.hold_token) if o.hold_token is not None else None)
                     for o in ready]
         try:
             handles = agent.read_many(requests)

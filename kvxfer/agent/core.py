@@ -25,7 +25,7 @@ from kvxfer.agent.notices import DoneSender
 from kvxfer.agent.lanes import PeerLanes
 from kvxfer.agent.peers import PeerDirectory, PeerLink
 from kvxfer.agent.reads import ReadFlow, links_for
-from kvxfer.agent.tokens import TokenReads
+from kvxfer.agent.tokens import TokenReads, reserve_token
 from kvxfer.agent.args import address, request_id as checked_id, request_ids as checked_ids
 from kvxfer.agent.jobs import Deferred
 from kvxfer.agent.submit import AbortJob, Submissions
@@ -243,7 +243,7 @@ class Agent:
     # ---- producer ------------------------------------------------------------------
     def hold(self, request_id: str, block_ids, consumers: int | None = None,
              lease: float | None = None, consumer_engines: Sequence[str] | None = None, *,
-             replace: bool = False) -> None:
+             replace: bool = False, token: HoldToken | None = None) -> None:
         """Keep ``block_ids`` readable for ``request_id`` until every consumer is done, the
         request is released or aborted, or the lease expires. From this call on the blocks belong
         to kvxfer; the engine may reuse them only once ``finished()`` lists the request (in
@@ -260,20 +260,32 @@ class Agent:
             replace: replace the blocks of a request already held (refused while a consumer's
                 claim window is open on it, or while it is ending). Without it a second hold of
                 a held request is refused.
+            token: the hold's token, chosen by the caller (``TokenBook``: an engine whose answer
+                leaves before this hold is made; issue 35); None: the table chooses one. Its tag
+                must be ``hold_tag(request_id, block_ids)``, its slot free (or this request's) and
+                its epoch above the slot's last.
 
         Does not block (a lock). Thread-safe.
 
         Raises:
             AlreadyHeldError: the request is held already (see ``replace``); names the request.
             BlockIdError: ids that are not distinct integers in range.
-            ConfigError: ``consumers`` < 1, ``lease`` <= 0, bad ``consumer_engines``.
+            ConfigError: ``consumers`` < 1, ``lease`` <= 0, bad ``consumer_engines``; a
+                ``token`` that does not fit (above), with ``consumer_engines``, or with no table.
             ClosedError: the agent is closed.
         """
         self._check_open()
         checked_id(request_id)
         flag(replace, "replace")
-        self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease,
-                          named=consumer_engines or (), replace=replace)
+        if token is not None:  # issue 35: the caller's token (kvxfer/engine/holdwords.py, reserve)
+            reserve_token(self._words, request_id, block_ids, self.spec.num_blocks, token, consumer_engines)
+        try:
+            self._leases.hold(request_id, block_ids, self.spec.num_blocks, consumers, lease,
+                              named=consumer_engines or (), replace=replace)
+        except BaseException:
+            if token is not None:
+                self._words.unreserve(request_id)
+            raise
         self._reports.forget(request_id)
         self._wake.set()
 

@@ -203,6 +203,7 @@ class ReadFlow:
         for r in tokened:
             r.tokened = True
             r.req.verify = agent.tokens.verifier(view, r.request_id, r.token)
+            r.req.stats.by_token = True  # issue 35 (s2): TransferStats says the read claimed nothing
             agent.engine.grant(r.req)
         self.launch(tokened)
         direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]

@@ -2,9 +2,11 @@
 
 A read that carries a ``HoldToken`` (``ReadRequest.token``) moves at once and succeeds only if the
 producer's hold word still equals the token once the move has completed (docs/reliability.md,
-"hold tokens"): ``TokenReads.verifier`` gives the engine that look (``_Request.verify``). The
-token is used only where it proves what the claim would: the producer is on this host and
-announced its table (``PeerInfo.hold_words``), and this rank is the only consumer rank that reads
+"hold tokens"): ``TokenReads.verifier`` gives the engine that look (``_Request.verify``): a load
+from the mapped table on this host, or one small NIXL READ of the word on another host
+(``kvxfer.engine.remotewords``). The token is used only where it proves what the claim would: the
+producer announced its table (``PeerInfo.hold_words`` on this host, ``hold_words_addr`` for NIXL),
+and this rank is the only consumer rank that reads
 or depends on that producer rank (an unclaimed hold then counts one done, as a first claim
 would). Elsewhere the read claims, as before. A token whose tag is not ``hold_tag(request id,
 the read's remote ids)`` fails the read before anything moves or is sent.
@@ -18,14 +20,16 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvxfer.engine.holdwords import WordView, hold_tag
-from kvxfer.errors import KvxferError, LeaseExpiredError
+from kvxfer.engine.remotewords import WordReader
+from kvxfer.errors import ConfigError, KvxferError, LeaseExpiredError
 from kvxfer.layout import expected_notifications
+from kvxfer.layout.request import check_block_ids
 from kvxfer.types import HoldToken
 
 if TYPE_CHECKING:
     from kvxfer.agent.parts import AgentParts
 
-__all__ = ["TokenReads", "tag_error"]
+__all__ = ["TokenReads", "reserve_token", "tag_error"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -41,19 +45,41 @@ def tag_error(request_id: str, token: HoldToken, remote_ids) -> LeaseExpiredErro
         "nothing was read or sent")
 
 
+def reserve_token(words, request_id: str, block_ids, num_blocks: int, token, named) -> None:
+    """``Agent.hold(..., token=)``'s checks and reservation (``HoldWords.reserve``); raises
+    ``BlockIdError`` for bad ids and ``ConfigError`` for the token, naming the value, changing nothing."""
+    ids = check_block_ids("held", block_ids, num_blocks)
+    if words is None:
+        raise ConfigError(f"request {request_id!r}: a hold token needs this agent's table of hold words "
+                          "(AgentConfig.hold_words is 0)")
+    if named:
+        raise ConfigError(f"request {request_id!r}: a hold naming consumer engines takes no token (its reads "
+                          f"claim, so the names are checked); got token {token!r}")
+    words.reserve(request_id, token, ids)
+
+
 class TokenReads:
     """The consumer's maps of its producers' tables (one per producer engine on this host)."""
 
     def __init__(self, agent: "AgentParts") -> None:
         self._agent = agent
-        self._views: dict[str, WordView | None] = {}
+        self._views: dict[str, object] = {}      # engine id -> WordView, RemoteWordView or None
+        self._words_reader: WordReader | None = None
         self._lock = threading.Lock()
 
-    def view(self, link) -> WordView | None:
-        """The map of ``link``'s table when a token read of it proves its hold, else None."""
+    #: Map a same-host producer's table (False: look at it over NIXL as across hosts; tests use it)
+    map_same_host = True
+
+    def view(self, link):
+        """The producer's table when a token read of it proves its hold, else None: a map of the
+        file on this host (``WordView``), or across hosts a ``RemoteWordView`` (one NIXL READ of the
+        word per read, issue 35)."""
         agent, info = self._agent, link.info
-        if not info.hold_words or not info.hold_slots or agent.paths is None \
-                or not info.host_id or info.host_id != agent.paths.kit.host_id:
+        if not info.hold_slots or agent.paths is None:
+            return None
+        here = bool(info.hold_words and info.host_id and info.host_id == agent.paths.kit.host_id
+                    and self.map_same_host)
+        if not here and not info.hold_words_addr:
             return None
         key = info.engine_id
         with self._lock:
@@ -64,11 +90,16 @@ class TokenReads:
         except KvxferError:
             ones = False
         view = None
-        if ones:
+        if ones and here:
             try:
                 view = WordView(info.hold_words, info.hold_slots)
             except (OSError, KvxferError) as exc:
-                log.info("kvxfer: hold words of %s not readable here (%s): its reads claim", key, exc)
+                log.info("kvxfer: hold words of %s not readable here (%s): looked at over NIXL", key, exc)
+        if ones and view is None and info.hold_words_addr:
+            try:
+                view = self._reader().view(link.agent_name, info.hold_words_addr, info.hold_slots)
+            except KvxferError as exc:
+                log.info("kvxfer: hold words of %s cannot be looked at (%s): its reads claim", key, exc)
         with self._lock:
             if key not in self._views:
                 self._views[key] = view
@@ -77,16 +108,24 @@ class TokenReads:
                 link.on_close.append(lambda: self._forget(key))
             return self._views[key]
 
+    def _reader(self) -> WordReader:
+        """This agent's landing rows for looks across hosts (registered on first use)."""
+        with self._lock:
+            if self._words_reader is None:
+                agent = self._agent
+                self._words_reader = WordReader(agent.backend, agent.registry)
+            return self._words_reader
+
     def _forget(self, key: str) -> None:
         with self._lock:
             self._views.pop(key, None)
 
     @staticmethod
-    def verifier(view: WordView, request_id: str, token: HoldToken):
+    def verifier(view, request_id: str, token: HoldToken):
         """The engine's look at the word once the move completed: None, or the read's error."""
         return partial(_verify, view, request_id, token)
 
 
-def _verify(view: WordView, request_id: str, token: HoldToken) -> LeaseExpiredError | None:
+def _verify(view, request_id: str, token: HoldToken) -> LeaseExpiredError | None:
     why = view.check(token)
     return LeaseExpiredError(f"request {request_id!r}: {why}") if why else None

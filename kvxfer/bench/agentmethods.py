@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.methods import _DEADLINE, _loop
+from kvxfer.bench.methods import _DEADLINE, _loop, spin
 from kvxfer.errors import TransferFailedError, TransferTimeoutError
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
@@ -57,14 +57,16 @@ def step_ids(ids, batch: int) -> list[np.ndarray]:
     return np.split(np.asarray(ids), batch) if batch > 1 else [np.asarray(ids)]
 
 
-def submit_step(ag, remote, local: list, remote_ids: list, rids: list[str]) -> list:
+def submit_step(ag, remote, local: list, remote_ids: list, rids: list[str], tokens: list | None = None) -> list:
     """Submit one step of reads and return their handles in order: through the public batch
-    API (``Agent.read_many``) where the Agent has it, else as back-to-back ``Agent.read`` calls."""
+    API (``Agent.read_many``) where the Agent has it, else as back-to-back ``Agent.read`` calls.
+    ``tokens``: each read's hold token (``kvxfer-token-direct``), or None."""
     if hasattr(ag, "read_many"):
         from kvxfer import ReadRequest  # noqa: PLC0415 - the batch API's request type
 
-        return ag.read_many([ReadRequest(remote, lb, rb, rid, timeout=_DEADLINE)
-                             for lb, rb, rid in zip(local, remote_ids, rids)])
+        tokens = tokens or [None] * len(rids)
+        return ag.read_many([ReadRequest(remote, lb, rb, rid, timeout=_DEADLINE, token=tok)
+                             for lb, rb, rid, tok in zip(local, remote_ids, rids, tokens)])
     return [ag.read(remote, lb, rb, rid, timeout=_DEADLINE) for lb, rb, rid in zip(local, remote_ids, rids)]
 
 
@@ -81,20 +83,29 @@ def agent(w, requests, tokens, iters, warmup, options):
     local_ids = step_ids(requests[0]["local_ids"], batch)
     remote_ids = step_ids(requests[0]["ids"], batch)
     modes: set[str] = set()
+    by_token: list[bool] = []
     setup: list[float] = []
     posted: list[float] = []
     claims: list[float] = []
     total_vs_wall: list[float] = []   # TransferStats.total_seconds over this loop's own clock
     posted_vs_wall: list[float] = []  # TransferStats.seconds over it
 
+    held = (requests[0].get("prepared") or {}).get("tokens")  # kvxfer-token-direct: rid -> the hold's token
+    if held is not None:
+        from kvxfer import HoldToken  # noqa: PLC0415
+        ag.connect(*remote)  # a handshaken producer: the token reads start at once
+
     def body(it):
         t0 = time.perf_counter()
-        handles = submit_step(ag, remote, local_ids, remote_ids, _step_rids(options, it))
+        rids = _step_rids(options, it)
+        tokens = [HoldToken.from_wire(held[rid]) for rid in rids] if held is not None else None
+        handles = submit_step(ag, remote, local_ids, remote_ids, rids, tokens)
         all_stats = [h.wait(_DEADLINE) for h in handles]
         w._sync()
         seconds = time.perf_counter() - t0
         for stats in all_stats:
             modes.add(stats.mode)
+            by_token.append(getattr(stats, "by_token", False))
         setup.append(all_stats[0].setup_seconds)
         posted.append(all_stats[-1].seconds)
         claims.append(all_stats[0].claim_seconds)
@@ -103,7 +114,7 @@ def agent(w, requests, tokens, iters, warmup, options):
         return seconds
 
     result = _loop(w, iters, warmup, body)
-    result["modes"] = sorted(modes)
+    result["modes"] = sorted(modes) + (["by token"] if by_token and all(by_token) else [])
     result["api"] = "read_many" if hasattr(ag, "read_many") else ("read x N" if batch > 1 else "read")
     # medians (warm-up included): before the post (ids, path, claims, tables, launch) and after it
     # (with a step: the first request's setup and claim, the last one's post-to-done)
@@ -128,12 +139,18 @@ def hold_agent(w, consumer, request, tokens, rounds, options):
     ag = _bench_agent(w, options, options["port"], listen=True)
     ag.finished()  # forget earlier serves' reports
     chunks = step_ids(request["ids"], options.get("batch", 1))
+    tokens = {}
     for it in range(rounds):
         for rid, ids in zip(_step_rids(options, it), chunks):
             # one consumer rank is measured: with consumer TP > 1 (tp1-2) the default would wait
             # for the unmeasured ranks' reads until the lease expired
             ag.hold(rid, ids, consumers=1)
-    return {"held": rounds * len(chunks)}
+            if options.get("hold_tokens"):  # kvxfer-token-direct: the tokens travel to the consumer
+                token = ag.hold_token(rid)
+                if token is None:
+                    raise TransferFailedError(f"kvxfer-token-direct: the hold of {rid!r} got no token")
+                tokens[rid] = token.wire()
+    return {"held": rounds * len(chunks), **({"tokens": tokens} if options.get("hold_tokens") else {})}
 
 
 def _step_rids(options: dict, it: int) -> list[str]:
@@ -156,7 +173,10 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
         if time.monotonic() > deadline:
             raise TransferTimeoutError("kvxfer-agent: the producer still holds requests the consumer read; "
                                        "it was never told they were done")
-        time.sleep(1e-3)
+        if options.get("busy"):  # a busy engine: its main thread runs Python while the reads go on
+            spin(1e-3)
+        else:
+            time.sleep(1e-3)
     # A staged read's hold can end (its last piece served) a moment before its report is filed:
     # collect reports for a short while before calling a request unreported.
     sent: set = set()
@@ -177,6 +197,14 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
     return {"rounds": rounds}
 
 
-CONSUMER = {"kvxfer-agent": agent, "kvxfer-agent-direct": agent, "kvxfer-agent-staged": agent}
-PREPARE = {"kvxfer-agent": hold_agent, "kvxfer-agent-direct": hold_agent, "kvxfer-agent-staged": hold_agent}
-PRODUCER = {"kvxfer-agent": serve_agent, "kvxfer-agent-direct": serve_agent, "kvxfer-agent-staged": serve_agent}
+def _direct_tokens(options: dict) -> dict:
+    """``kvxfer-token-direct``'s options: the direct path, holds that answer their tokens (issue 35)."""
+    return {**options, "transfer_path": "direct", "hold_tokens": True}
+
+
+CONSUMER = {"kvxfer-agent": agent, "kvxfer-agent-direct": agent, "kvxfer-agent-staged": agent,
+            "kvxfer-token-direct": lambda w, r, t, i, wu, o: agent(w, r, t, i, wu, _direct_tokens(o))}
+PREPARE = {"kvxfer-agent": hold_agent, "kvxfer-agent-direct": hold_agent, "kvxfer-agent-staged": hold_agent,
+           "kvxfer-token-direct": lambda w, c, r, t, n, o: hold_agent(w, c, r, t, n, _direct_tokens(o))}
+PRODUCER = {"kvxfer-agent": serve_agent, "kvxfer-agent-direct": serve_agent, "kvxfer-agent-staged": serve_agent,
+            "kvxfer-token-direct": serve_agent}

@@ -79,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-engine", action="store_true",
                    help="small reads while the engines are busy: a producer whose main thread is 0/50/100%% "
                         "busy in Python, a consumer that steps 4 ms at a time and polls; raw NIXL as stock "
-                        "vLLM posts and polls it, in the same run (kvxfer.bench.busy; host memory)")
+                        "vLLM posts and polls it, in the same run (kvxfer.bench.busy; host memory); with "
+                        "--two-hosts: a fragmented read across two namespaces with the producer busy, raw NIXL "
+                        "per block against kvxfer with the claim and with the hold token (kvxfer.bench.busyhosts)")
     p.add_argument("--reads", type=int, default=20, help="--busy-engine: reads per row")
     p.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
                    help="--busy-engine: NIXL's progress thread in kvxfer's agents (AgentConfig.nixl_progress_thread; "
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints the table (stdout). Returns 0, 1 if any timed transfer failed
     verification or a method errored, 2 for bad arguments."""
     args = parser().parse_args(argv)
+    if args.busy_engine and args.two_hosts:
+        return _busy_hosts(args, argv)
     if args.busy_engine:
         return _busy(args, argv)
     try:
@@ -134,6 +138,24 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(json.dumps([{k: r.get(k) for k in ("tokens", "method", "failed", "error")} for r in bad]),
               file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _busy_hosts(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--busy-engine --two-hosts``: a fragmented read across namespaces, the producer busy
+    (``kvxfer.bench.busyhosts``: raw NIXL per block, kvxfer with the claim and with the hold token)."""
+    from kvxfer.bench import busyhosts  # noqa: PLC0415
+
+    try:
+        report = busyhosts.run_busy_two_hosts(config_from(args), args.nixl_progress_thread)
+    except KvxferError as exc:
+        print(f"kvxfer bench --busy-engine --two-hosts: {exc}", file=sys.stderr)
+        return 2
+    report["command"] = "kvxfer bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(busyhosts.table(report))
+    if args.json:
+        write_json(report, args.json)
+    bad = [r for r in report["rows"] if r.get("failed") or "error" in r]
     return 1 if bad else 0
 
 

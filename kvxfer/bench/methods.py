@@ -345,11 +345,21 @@ def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
     return {"rounds": rounds}
 
 
-def drive(w) -> dict:
+def drive(w, options: dict | None = None) -> dict:
     """Producer half of the raw NIXL methods: nothing when the raw agent runs NIXL's progress
     thread; else poll the agent until the orchestrator's next command (``Worker.release``), since
-    transports such as TCP move a read's bytes only while the target progresses."""
+    transports such as TCP move a read's bytes only while the target progresses. With
+    ``options["busy"]`` the main thread runs Python meanwhile (a busy engine), polling between
+    1 ms spins when there is no progress thread."""
     polls = 0
+    if (options or {}).get("busy"):
+        deadline = time.monotonic() + 600
+        while not w.interrupted() and time.monotonic() < deadline:
+            if not w.backend.progress_thread:
+                w.mailbox.poll()
+                polls += 1
+            spin(1e-3)
+        return {"polls": polls}
     if not w.backend.progress_thread:
         deadline = time.monotonic() + 600  # a guard only: the orchestrator's release ends it
         while not w.interrupted() and time.monotonic() < deadline:
@@ -357,6 +367,15 @@ def drive(w) -> dict:
             polls += 1
             time.sleep(0)
     return {"polls": polls}
+
+
+def spin(seconds: float) -> None:
+    """Run Python (not a sleep, not a C call that drops the interpreter) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(200):
+            x += i
 
 
 CONSUMER: dict[str, Callable[..., dict]] = {
@@ -372,8 +391,8 @@ CONSUMER: dict[str, Callable[..., dict]] = {
 PREPARE: dict[str, Callable[..., dict]] = {}  # the kvxfer-agent rows' holds: kvxfer.bench.agentmethods
 
 PRODUCER: dict[str, Callable[..., dict]] = {
-    "nixl-per-block": lambda w, *a: drive(w),
-    "nixl-1desc": lambda w, *a: drive(w),
+    "nixl-per-block": lambda w, *a: drive(w, a[-1]),
+    "nixl-1desc": lambda w, *a: drive(w, a[-1]),
     "kvxfer-staged-read": lambda *a: serve_staged(*a, direction="read"),
     "kvxfer-staged-write": lambda *a: serve_staged(*a, direction="write"),
 }

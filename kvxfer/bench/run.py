@@ -65,6 +65,9 @@ class BenchConfig:
     # ``--batch``: each timed iteration is one step of this many requests of ``tokens`` each (the
     # kvxfer rows submit them together; the baselines move the same bytes in one post)
     batch: int = 1
+    # ``--busy-engine --two-hosts`` (kvxfer.bench.busyhosts): the share of the producer's main thread
+    # that runs Python while a row is measured (0: idle)
+    busy: float = 0.0
 
     def model(self) -> dict:
         if self.preset == "custom":
@@ -209,7 +212,7 @@ def _run_tokens(cfg, scen: Scenario, tokens: int, methods, consumer, producers, 
                 options = {"request_bytes": nbytes, "twin": twin, "port": port, "piece_bytes": piece,
                            "run": f"{tokens}-{label}-{rnd}", "transfer_path": path,
                            "slot_bytes": cfg.slot_bytes if cfg.device == "gpu" else 0, "slots": cfg.slots,
-                           "batch": cfg.batch,
+                           "batch": cfg.batch, "busy": cfg.busy,
                            **_addresses(cfg)}
                 t0 = time.monotonic()
                 res = _measure(cfg, method, options, consumer, producers, requests, step_tokens, dev_p,

@@ -52,6 +52,7 @@ class TransferStats:
     setup_seconds: float = 0.0
     claim_seconds: float = 0.0
     total_seconds: float = 0.0    # 0 until the handle completes; then >= setup_seconds + seconds
+    by_token: bool = False        # proved its hold by the producer's hold token, with no claim (issue 35)
 
     @property
     def gb_per_s(self) -> float:

@@ -14,6 +14,7 @@ those of processes that died without closing theirs (``sweep_stale``). Each slot
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import mmap
 import os
@@ -25,7 +26,7 @@ import numpy as np
 from kvxfer.errors import ConfigError
 from kvxfer.types import HoldToken
 
-__all__ = ["HoldWords", "WordView", "hold_tag", "sweep_stale", "DEFAULT_SLOTS"]
+__all__ = ["HoldWords", "TokenBook", "WordView", "hold_tag", "sweep_stale", "DEFAULT_SLOTS"]
 
 #: Slots of a producer's table (16 bytes each: 1 MiB). A hold that finds none free gets no token.
 DEFAULT_SLOTS = 65_536
@@ -91,8 +92,11 @@ class HoldWords:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype="<u8").reshape(slots, 2)
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots - 1, -1, -1))  # may also list slots taken by ``reserve`` (skipped)
         self._slot: dict[str, int] = {}   # request id -> its slot
+        self._taken = np.zeros(slots, dtype=bool)
+        self._last = np.zeros(slots, dtype=np.uint64)  # the last epoch written to each slot
+        self._wanted: dict[str, tuple[HoldToken, bool]] = {}  # ``reserve``d tokens (and: it took the slot)
         self._epoch = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -104,18 +108,78 @@ class HoldWords:
         with self._lock:
             if self._closed:
                 return None
-            slot = self._slot.get(request_id)
-            if slot is None:
-                if not self._free:
-                    return None
-                slot = self._slot[request_id] = self._free.pop()
-            self._epoch += 1
-            epoch = self._epoch
+            wanted = self._wanted.pop(request_id, (None, False))[0]
+            if wanted is not None and wanted.tag == tag:  # ``reserve`` took its slot and checked its epoch
+                slot, epoch = wanted.slot, wanted.epoch
+            else:
+                slot = self._slot.get(request_id)
+                if slot is None:
+                    slot = self._pop_free()
+                    if slot is None:
+                        return None
+                    self._slot[request_id] = slot
+                self._epoch += 1
+                epoch = self._epoch
+            self._last[slot] = epoch
             row = self.array[slot]
             row[0] = 0        # the old hold of this slot (a replace) ends first
             row[1] = tag
             row[0] = epoch    # one aligned 8-byte store: the token is valid from here
         return HoldToken(slot, epoch, tag)
+
+    def _pop_free(self) -> int | None:
+        while self._free:
+            slot = self._free.pop()
+            if not self._taken[slot]:
+                self._taken[slot] = True
+                return slot
+        return None
+
+    def reserve(self, request_id: str, token: HoldToken, block_ids) -> None:
+        """Let the next ``issue`` for ``request_id`` write the caller's ``token`` (an engine whose
+        answer leaves before its hold is made chooses the token itself: ``TokenBook``). Checks,
+        changing nothing when it raises: the tag is ``hold_tag(request_id, block_ids)``, the slot
+        is in the table and held by no other request (a request that has a slot keeps it), the
+        epoch is above every epoch written to that slot.
+
+        Raises:
+            ConfigError: naming the token's value and what the table expected.
+        """
+        if not isinstance(token, HoldToken):
+            raise ConfigError(f"a hold's token must be a HoldToken; got {type(token).__name__} {token!r}")
+        tag = hold_tag(request_id, block_ids)
+        if token.tag != tag:
+            raise ConfigError(f"request {request_id!r}: the hold token's tag {token.tag:#x} is not this request's "
+                              f"for these {len(block_ids)} blocks (expected {tag:#x}, kvxfer.hold_tag)")
+        with self._lock:
+            if self._closed:
+                raise ConfigError(f"request {request_id!r}: the hold-word table {self.path!r} is closed")
+            slot, epoch = token.slot, token.epoch
+            if not 0 <= slot < self.slots:
+                raise ConfigError(f"request {request_id!r}: hold token slot {slot} is past the table "
+                                  f"({self.slots} slots)")
+            own = self._slot.get(request_id)
+            if own is not None and own != slot:
+                raise ConfigError(f"request {request_id!r} holds slot {own}; its new token names slot {slot}")
+            if own is None and self._taken[slot]:
+                raise ConfigError(f"request {request_id!r}: hold token slot {slot} is another hold's")
+            if not 0 < epoch < (1 << 64) or epoch <= int(self._last[slot]):
+                raise ConfigError(f"request {request_id!r}: hold token epoch {epoch} must be above the last "
+                                  f"epoch of slot {slot} ({int(self._last[slot])})")
+            if own is None:
+                self._taken[slot] = True
+                self._slot[request_id] = slot
+            self._wanted[request_id] = (token, own is None)
+            self._epoch = max(self._epoch, epoch)
+
+    def unreserve(self, request_id: str) -> None:
+        """Undo a ``reserve`` whose hold was refused: a slot it took is free again."""
+        with self._lock:
+            token, took = self._wanted.pop(request_id, (None, False))
+            if token is not None and took and self._slot.get(request_id) == token.slot:
+                del self._slot[request_id]
+                self._taken[token.slot] = False
+                self._free.append(token.slot)
 
     def token(self, request_id: str) -> HoldToken | None:
         """The token of ``request_id``'s current hold, or None (no hold, or none was given)."""
@@ -130,10 +194,12 @@ class HoldWords:
         """The hold of ``request_id`` ends: store 0 into its epoch (before anything reports it
         free) and free the slot. Idempotent; a request without a slot is ignored."""
         with self._lock:
+            self._wanted.pop(request_id, None)
             slot = self._slot.pop(request_id, None)
             if slot is None:
                 return
             self.array[slot, 0] = 0
+            self._taken[slot] = False
             self._free.append(slot)
 
     def close(self) -> None:
@@ -148,6 +214,46 @@ class HoldWords:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+class TokenBook:
+    """Tokens chosen before the hold is made, for an engine whose answer (with the token) leaves
+    another process than the one that holds (vLLM: the scheduler answers, its workers hold). It
+    mirrors the workers' tables: ``issue`` gives a slot no live hold of this book has and an
+    epoch above every one it gave; each worker passes the token to ``Agent.hold(..., token=)``,
+    which writes it into its own table (every TP rank the same token). ``retire`` once the
+    workers reported the hold ended. Slots are reused oldest-retired first, so a slot comes back
+    only after every other free slot was used (a hold a worker is still ending when its slot comes
+    back refuses the new token: that hold is made without it, and its token reads fail typed).
+    Not thread-safe (one scheduler thread)."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS) -> None:
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ConfigError(f"hold word slots must be an integer >= 1; got {slots!r}")
+        self.slots = slots
+        self._free = collections.deque(range(slots))
+        self._slot: dict[str, int] = {}
+        self._epoch = 0
+
+    def issue(self, request_id: str, block_ids) -> HoldToken | None:
+        """A token for holding ``block_ids`` of ``request_id`` (its slot kept if it has one; a new
+        epoch). None when every slot is taken (the hold gets no token; its reads claim)."""
+        slot = self._slot.get(request_id)
+        if slot is None:
+            if not self._free:
+                return None
+            slot = self._slot[request_id] = self._free.popleft()
+        self._epoch += 1
+        return HoldToken(slot, self._epoch, hold_tag(request_id, block_ids))
+
+    def retire(self, request_id: str) -> None:
+        """The hold of ``request_id`` ended at the workers: its slot may be given again (last)."""
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._slot)
 
 
 class WordView:

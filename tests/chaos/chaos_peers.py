@@ -85,7 +85,7 @@ class _Engine:
 
 def _serve(cmd, out, spec_kwargs: dict, seed: int, port: int, cfg: dict) -> None:
     spec = KVSpec(**spec_kwargs)
-    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
+    config = AgentConfig(**{"side_channel_host": "127.0.0.1", **cfg}, side_channel_port=port)
     with Agent(f"chaos{spec.tp_rank}", spec, config) as agent:
         cache = cache_for(spec, seed)
         agent.register(cache)

@@ -245,3 +245,93 @@ def test_a_step_of_token_reads_is_exact_and_frees_every_hold(harness, counted):
     assert counted["n"] == before
     assert wait_for(lambda: all(not prod.holding(f"s{i}") for i in range(3)))
     assert prod.finished().sent == {"s0", "s1", "s2"}
+
+
+# ---- a token chosen by the caller (an engine whose answer leaves before its hold is made) ------
+def test_a_hold_under_the_callers_token_is_read_by_it(harness, counted):
+    from kvxfer import TokenBook
+
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    book = TokenBook(prod.config.hold_words)
+    token = book.issue("r1", [5, 1, 7])
+    prod.hold("r1", [5, 1, 7], token=token)
+    assert prod.hold_token("r1") == token
+    before = counted["n"]
+    stats = cons.read_many([ReadRequest(prod.address, [0, 3, 9], [5, 1, 7], "r1", token=token)])[0].wait(5)
+    _same(ccache, pcache, [0, 3, 9], [5, 1, 7], s)
+    assert stats.by_token and counted["n"] == before
+    assert wait_for(lambda: not prod.holding("r1"))
+    book.retire("r1")
+    again = book.issue("r2", [2])
+    prod.hold("r2", [2], token=again)                      # a later token of the book fits the table
+    prod.hold("r3", [3])                                    # and the table's own tokens come after it
+    assert prod.hold_token("r3").epoch > again.epoch
+
+
+@pytest.mark.parametrize("bad", ["tag", "slot past the table", "slot of another hold", "old epoch",
+                                 "names engines", "not a token"])
+def test_a_callers_token_that_does_not_fit_is_refused_and_nothing_is_held(harness, bad):
+    s = spec()
+    prod, _ = harness.agent(s, seed=1, hold_words=8)
+    prod.hold("other", [2])
+    taken = prod.hold_token("other")
+    good = HoldToken(taken.slot + 1, taken.epoch + 5, hold_tag("r", [5, 1]))
+    token, named = {
+        "tag": (HoldToken(good.slot, good.epoch, hold_tag("r", [5, 2])), None),
+        "slot past the table": (HoldToken(8, good.epoch, good.tag), None),
+        "slot of another hold": (HoldToken(taken.slot, good.epoch, good.tag), None),
+        "old epoch": (None, None),
+        "names engines": (good, ["cons"]),
+        "not a token": ((good.slot, good.epoch, good.tag), None),
+    }[bad]
+    if bad == "old epoch":  # the slot was written with a later epoch already
+        prod.hold("x", [3])
+        slot = prod.hold_token("x")
+        prod.release("x")
+        token = HoldToken(slot.slot, slot.epoch, good.tag)
+    with pytest.raises(ConfigError, match={"tag": "tag", "slot past the table": "past the table",
+                                           "slot of another hold": "another hold's", "old epoch": "above the last",
+                                           "names engines": "naming consumer engines",
+                                           "not a token": "must be a HoldToken"}[bad]):
+        prod.hold("r", [5, 1], token=token, consumer_engines=named)
+    assert not prod.holding("r") and prod.hold_token("r") is None
+    assert prod.holding("other") and prod.hold_token("other") == taken
+    prod.hold("r", [5, 1], token=HoldToken(good.slot, good.epoch + 10, good.tag))  # and the right one fits
+    assert prod.hold_token("r").epoch == good.epoch + 10
+
+
+def test_a_callers_token_needs_a_table(harness):
+    prod, _ = harness.agent(spec(), seed=1, hold_words=0)
+    with pytest.raises(ConfigError, match="hold_words is 0"):
+        prod.hold("r", [1], token=HoldToken(0, 1, hold_tag("r", [1])))
+    assert not prod.holding("r")
+
+
+# ---- the look across hosts: one small READ of the word through the backend ------------------
+def test_a_token_read_looks_at_the_word_through_the_backend_where_it_cannot_map_it(harness, counted, monkeypatch):
+    from kvxfer.agent.tokens import TokenReads
+    from kvxfer.engine.remotewords import RemoteWordView
+
+    monkeypatch.setattr(TokenReads, "map_same_host", False)  # as a consumer on another host
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    link = cons.connect(*prod.address)
+    assert link.info.hold_words_addr and isinstance(cons._tokens.view(link), RemoteWordView)
+    prod.hold("r1", [5, 1, 7])
+    token = prod.hold_token("r1")
+    before = counted["n"]
+    stats = cons.read_many([ReadRequest(prod.address, [0, 3, 9], [5, 1, 7], "r1", token=token)])[0].wait(5)
+    _same(ccache, pcache, [0, 3, 9], [5, 1, 7], s)
+    assert stats.by_token and counted["n"] == before
+    assert wait_for(lambda: not prod.holding("r1"))
+    prod.hold("r2", [2, 4])
+    old = prod.hold_token("r2")
+    prod.release("r2")
+    prod.hold("r2", [2, 4])   # a later hold in the slot: the old token's look sees its epoch
+    with pytest.raises(LeaseExpiredError, match="hold ended"):
+        cons.read_many([ReadRequest(prod.address, [0, 3], [2, 4], "r2", token=old)])[0].wait(5)
+    assert counted["n"] == before and prod.holding("r2") and prod.hold_token("r2") != old

@@ -1,6 +1,7 @@
 """A GPU producer whose engine reuses blocks the moment ``finished()`` reports them free (tests only).
 
-Commands (tuples): ``("hold", rid, blocks, lease)``, ``("release", rid)``, ``("reused",)`` (rids
+Commands (tuples): ``("hold", rid, blocks, lease)``, ``("hold_token", rid, blocks, lease)`` (answers
+the hold's token as it travels, issue 35), ``("reset",)`` (the cache back to its seed), ``("release", rid)``, ``("reused",)`` (rids
 overwritten so far), ``("stats",)`` (``Agent.stats()`` as a dict), ``"stop"``.
 """
 
@@ -60,6 +61,16 @@ def _producer(cmd, out, spec_kwargs, seed, port, device, cfg) -> None:
             if op == "hold":
                 agent.hold(what[1], what[2], lease=what[3])
                 blocks[what[1]] = list(what[2])
+                out.put(True)
+            elif op == "hold_token":  # issue 35: hold and answer the hold's token (``HoldToken.wire()``)
+                agent.hold(what[1], what[2], lease=what[3])
+                blocks[what[1]] = list(what[2])
+                token = agent.hold_token(what[1])
+                out.put(token.wire() if token is not None else None)
+            elif op == "reset":  # the cache back to its seeded bytes (earlier trials reused blocks)
+                for t, fresh in zip(cache, device_cache(spec, seed, device)):
+                    t.copy_(fresh)
+                torch.cuda.synchronize()
                 out.put(True)
             elif op == "release":
                 out.put(agent.release(what[1]))

@@ -1,9 +1,10 @@
 """KvxferConnector in a real vLLM P/D pair: the shared contract, plus failure, lease and abort behaviour.
 
 Both servers run ``kv_role: kv_both``, so either can prefill for the other. The first
-("P") uses ``kv_load_failure_policy: fail``; the second ("D") uses ``recompute`` and a
-short producer lease (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), which the lease test uses by
-letting D prefill and P decode.
+("P") uses ``kv_load_failure_policy: fail`` and, as a decoder, ignores hold tokens
+(``use_hold_tokens: false``, a decoder from before them); the second ("D") uses ``recompute``, reads by
+hold token, and has a short producer lease (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``), which the lease
+test uses by letting D prefill and P decode.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ USAGE = "vllm:kv_cache_usage_perc"
 @pytest.fixture(scope="module")
 def servers(tiny_model, vllm_logs):
     with pd_servers("kvxfer", tiny_model, vllm_logs,
-                    {**KVX, "kv_load_failure_policy": "fail"},
+                    {**KVX, "kv_load_failure_policy": "fail",   # P decodes as a decoder from before hold tokens
+                     "kv_connector_extra_config": {**KVX["kv_connector_extra_config"], "use_hold_tokens": False}},
                     {**KVX, "kv_load_failure_policy": "recompute"},
                     d_env={"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(D_LEASE_S)}) as (p, d):
         yield p, d
@@ -174,6 +176,43 @@ class TestKvxferConnector(PDContract):
         wait_for_no_blocks_in_use(p, d, within=30)
         q = prompt_of(90, seed=82)
         assert route_pd(p, d, q, MAX_TOKENS).token_ids == reference(p, q)
+
+
+    def test_loads_read_by_the_hold_token_and_older_peers_still_claim(self, servers, pair):
+        # issue 35: P answers its hold's token (remote_hold_token) and D's load reads by it, with no
+        # claim; an older producer's answer (no token) and an older decoder (P) go through the claim.
+        p, d = pair
+        p_server, d_server = servers
+        by_token = lambda server: server.log_text().count(", by hold token)")  # noqa: E731 (the worker's log)
+        failed = lambda server: server.log_text().count("kvxfer: load of")  # noqa: E731 (a failed load's warning)
+        failures = failed(d_server)  # D recomputes a failed load: its answer alone would not show one
+        route_pd(p, d, prompt_of(40, seed=96), MAX_TOKENS)  # D has handshaken P: its loads may skip the claim
+        prompt = prompt_of(3 * BLOCK_SIZE + 5, seed=195, last=6)
+        ref = reference(p, prompt)
+        params = prefill(p, prompt).kv_transfer_params
+        token = params["remote_hold_token"]
+        assert len(token) == 3 and all(isinstance(v, int) for v in token) and token[1] >= 1
+        before, hits = by_token(d_server), d.metric(EXTERNAL_HITS)
+        assert d.complete(prompt, MAX_TOKENS, kv_transfer_params=params).token_ids == ref
+        assert by_token(d_server) == before + 1 and d.metric(EXTERNAL_HITS) - hits >= len(prompt) - 1
+        # a producer from before hold tokens: its answer has no token, and D claims
+        older = prompt_of(2 * BLOCK_SIZE + 9, seed=197, last=6)
+        ref_older = reference(p, older)
+        params = prefill(p, older).kv_transfer_params
+        del params["remote_hold_token"]
+        hits = d.metric(EXTERNAL_HITS)
+        assert d.complete(older, MAX_TOKENS, kv_transfer_params=params).token_ids == ref_older
+        assert by_token(d_server) == before + 1 and d.metric(EXTERNAL_HITS) - hits >= len(older) - 1
+        assert failed(d_server) == failures
+        # a decoder from before hold tokens (P ignores them) reads D's answer, token and all, by the claim
+        route_pd(d, p, prompt_of(40, seed=98), MAX_TOKENS)
+        back = prompt_of(2 * BLOCK_SIZE + 3, seed=199, last=6)
+        ref_back = reference(d, back)
+        params = prefill(d, back).kv_transfer_params
+        assert "remote_hold_token" in params
+        before_p, hits = by_token(p_server), p.metric(EXTERNAL_HITS)
+        assert p.complete(back, MAX_TOKENS, kv_transfer_params=params).token_ids == ref_back
+        assert by_token(p_server) == before_p and p.metric(EXTERNAL_HITS) - hits >= len(back) - 1
 
 
 def abort_soon(url: str, prompt: list[int], params: dict) -> None:

@@ -153,7 +153,7 @@ def _decoded(sched, request_id="d1"):
 
     request = _queued(request_id, "p1")
     sched.after_alloc(request, _Blocks([5, 6, 7]), 8)
-    sched.update(SimpleNamespace(finished_recving={request_id}))
+    sched.update(SimpleNamespace(finished_recving={request_id}, finished_sending=set()))
     request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 10
     return sched.finished(request, [[5, 6, 7]])
 
