@@ -26,7 +26,7 @@ BENCH="python3 -m kvxfer.bench.cli --preset llama-3-8b --device gpu --iters 5 --
   --producer-gpu $P --consumer-gpu 0 --scenario same --ids fragmented"
 
 checks() {
-  timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -n 3
+  timeout 600 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -n 3
   timeout 60 python3 examples/gpu_read.py 2>&1 | grep -v "NIXL INFO" | tail -n 4
   echo "### where one Agent.read's time goes (512 tokens)"
   timeout 90 python3 benchmarks/read_phases.py --device cuda:0 --tokens 512 --reads 30 2>&1 | grep -v "NIXL INFO" | head -n 12

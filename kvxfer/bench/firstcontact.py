@@ -29,6 +29,7 @@ import socket
 import statistics
 import struct
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.bench.agentmethods import _agent_config
@@ -113,64 +114,95 @@ def _wait_ready(sock: socket.socket) -> int:
     return _PORT.unpack(message[1:])[0]
 
 
-def _first_then_warm(w, agent, remote, local_ids, remote_ids, options, it, phases, warm):
-    """Time the first read of iteration ``it`` (returned), then a warm one (``warm``)."""
-    first_rid, warm_rid = _rids(options, it)
-    t0 = time.perf_counter()
-    stats = agent.read(remote, local_ids, remote_ids, first_rid, timeout=_DEADLINE).wait()
-    first = time.perf_counter() - t0
-    if not w.verify():
-        raise AssertionError("the first read did not leave the expected bytes")
-    link = agent.connect(*remote)  # the link the read handshook (cached: no I/O)
-    phases.append({"setup": round(stats.setup_seconds * 1e3, 1), "claim": round(stats.claim_seconds * 1e3, 1),
-                   "post_to_done": round(stats.seconds * 1e3, 1),
-                   **{f"handshake_{k}": round(v * 1e3, 1) for k, v in link.timings.items()}})
-    w.poison()
-    t1 = time.perf_counter()
-    agent.read(remote, local_ids, remote_ids, warm_rid, timeout=_DEADLINE).wait()
-    warm.append(time.perf_counter() - t1)
-    return first
+@dataclass
+class _Consumer:
+    """Both consumer halves' shared part: the request's ids, the consumer agents' config, the
+    control socket to the producer, and per timed iteration the warm read's time and the first
+    read's phases."""
 
+    w: Any
+    options: dict
+    local_ids: Any
+    remote_ids: Any
+    config: Any
+    sock: socket.socket
+    warm: list[float] = field(default_factory=list)
+    phases: list[dict] = field(default_factory=list)
 
-def _summarise(result: dict, warm: list[float], phases: list[dict]) -> dict:
-    n = len(result["times"])
-    result["warm_ms"] = statistics.median(warm[-n:]) * 1e3
-    result["warm_times"] = warm[-n:]
-    result["first_ms"] = statistics.median(result["times"]) * 1e3
-    result["gap_ms"] = statistics.median(f - s for f, s in zip(result["times"], warm[-n:])) * 1e3
-    result["gaps_ms"] = [round((f - s) * 1e3, 1) for f, s in zip(result["times"], warm[-n:])]
-    result["phases_ms"] = phases[-n:]
-    return result
+    @classmethod
+    def open(cls, w, requests, options: dict, method: str) -> "_Consumer | dict":
+        """Connect to the producer's control socket; a ``{"skipped": ...}`` row where ``method``
+        cannot run (several producer ranks, or one host)."""
+        if len(requests) != 1 or not options.get("producer_host"):
+            return {"skipped": f"{method} needs one producer rank and two hosts (--two-hosts)"}
+        config = _agent_config(options, options["port"] + _CONSUMER_PORT_OFFSET, options["consumer_host"])
+        sock = socket.create_connection((options["producer_host"], options["port"] + _CONTROL_PORT_OFFSET),
+                                        timeout=_DEADLINE)
+        return cls(w, options, requests[0]["local_ids"], requests[0]["ids"], config, sock)
+
+    def remote(self) -> tuple[str, int]:
+        """Wait for the producer's go; the address its new agent listens on."""
+        return self.options["producer_host"], _wait_ready(self.sock)
+
+    def done(self) -> None:
+        """Tell the producer both reads of this iteration are done (it closes its agent)."""
+        self.sock.sendall(b"d")
+
+    def first_then_warm(self, agent, remote, it: int, keep: bool = True) -> float:
+        """Time the first read of iteration ``it`` (returned), then a warm one; ``keep``: record
+        the warm time and the first read's phases."""
+        w, first_rid, warm_rid = self.w, *_rids(self.options, it)
+        t0 = time.perf_counter()
+        stats = agent.read(remote, self.local_ids, self.remote_ids, first_rid, timeout=_DEADLINE).wait()
+        first = time.perf_counter() - t0
+        if not w.verify():
+            raise AssertionError("the first read did not leave the expected bytes")
+        link = agent.connect(*remote)  # the link the read handshook (cached: no I/O)
+        phases = {"setup": round(stats.setup_seconds * 1e3, 1), "claim": round(stats.claim_seconds * 1e3, 1),
+                  "post_to_done": round(stats.seconds * 1e3, 1),
+                  **{f"handshake_{k}": round(v * 1e3, 1) for k, v in link.timings.items()}}
+        w.poison()
+        t1 = time.perf_counter()
+        agent.read(remote, self.local_ids, self.remote_ids, warm_rid, timeout=_DEADLINE).wait()
+        if keep:
+            self.warm.append(time.perf_counter() - t1)
+            self.phases.append(phases)
+        return first
+
+    def summarise(self, result: dict) -> dict:
+        """The row: first and warm medians, first - warm per iteration and its median, phases."""
+        n = len(result["times"])
+        warm = self.warm[-n:]
+        result["warm_ms"] = statistics.median(warm) * 1e3
+        result["warm_times"] = warm
+        result["first_ms"] = statistics.median(result["times"]) * 1e3
+        result["gap_ms"] = statistics.median(f - s for f, s in zip(result["times"], warm)) * 1e3
+        result["gaps_ms"] = [round((f - s) * 1e3, 1) for f, s in zip(result["times"], warm)]
+        result["phases_ms"] = self.phases[-n:]
+        return result
 
 
 def fresh_pair(w, requests, tokens, iters, warmup, options):
     """Consumer half of ``kvxfer-fresh-pair`` (see the module docstring)."""
     from kvxfer import Agent  # noqa: PLC0415
 
-    if len(requests) != 1 or not options.get("producer_host"):
-        return {"skipped": "kvxfer-fresh-pair needs one producer rank and two hosts (--two-hosts)"}
-    local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
-    config = _agent_config(options, options["port"] + _CONSUMER_PORT_OFFSET, options["consumer_host"])
-    warm: list[float] = []
-    phases: list[dict] = []
-    sock = socket.create_connection((options["producer_host"], options["port"] + _CONTROL_PORT_OFFSET),
-                                    timeout=_DEADLINE)
+    run = _Consumer.open(w, requests, options, "kvxfer-fresh-pair")
+    if isinstance(run, dict):
+        return run
 
     def body(it):
-        agent = Agent(f"{w.name}-fresh-{it}", w.cache.spec, config)
+        agent = Agent(f"{w.name}-fresh-{it}", w.cache.spec, run.config)
         try:
             agent.register(w.cache.tensors)
-            remote = (options["producer_host"], _wait_ready(sock))
-            return _first_then_warm(w, agent, remote, local_ids, remote_ids, options, it, phases, warm)
+            return run.first_then_warm(agent, run.remote(), it)
         finally:
             agent.close()
-            sock.sendall(b"d")
+            run.done()
 
     try:
-        result = _loop(w, iters, warmup, body)
+        result = run.summarise(_loop(w, iters, warmup, body))
     finally:
-        sock.close()
-    result = _summarise(result, warm, phases)
+        run.sock.close()
     result["fresh_ms"] = result["times"][0] * 1e3 if not warmup else None
     return result
 
@@ -179,35 +211,29 @@ def restart(w, requests, tokens, iters, warmup, options):
     """Consumer half of ``kvxfer-restart`` (see the module docstring)."""
     from kvxfer import Agent  # noqa: PLC0415
 
-    if len(requests) != 1 or not options.get("producer_host"):
-        return {"skipped": "kvxfer-restart needs one producer rank and two hosts (--two-hosts)"}
-    local_ids, remote_ids = requests[0]["local_ids"], requests[0]["ids"]
-    config = _agent_config(options, options["port"] + _CONSUMER_PORT_OFFSET, options["consumer_host"])
-    warm: list[float] = []
-    phases: list[dict] = []
-    sock = socket.create_connection((options["producer_host"], options["port"] + _CONTROL_PORT_OFFSET),
-                                    timeout=_DEADLINE)
-    agent = Agent(f"{w.name}-restart", w.cache.spec, config)
+    run = _Consumer.open(w, requests, options, "kvxfer-restart")
+    if isinstance(run, dict):
+        return run
+    agent = Agent(f"{w.name}-restart", w.cache.spec, run.config)
     try:
         agent.register(w.cache.tensors)
-        remote = (options["producer_host"], _wait_ready(sock))
+        remote = run.remote()
         w.poison()
-        _first_then_warm(w, agent, remote, local_ids, remote_ids, options, -1, [], [])
-        sock.sendall(b"d")
+        run.first_then_warm(agent, remote, -1, keep=False)
+        run.done()
 
         def body(it):
-            if _wait_ready(sock) != remote[1]:  # the producer's previous agent is closed, the new one listens
+            if run.remote() != remote:  # the producer's previous agent is closed, the new one listens
                 raise AssertionError("the restarted producer listens on another port")
             try:
-                return _first_then_warm(w, agent, remote, local_ids, remote_ids, options, it, phases, warm)
+                return run.first_then_warm(agent, remote, it)
             finally:
-                sock.sendall(b"d")
+                run.done()
 
-        result = _loop(w, iters, warmup, body)
+        return run.summarise(_loop(w, iters, warmup, body))
     finally:
         agent.close()
-        sock.close()
-    return _summarise(result, warm, phases)
+        run.sock.close()
 
 
 CONSUMER = {"kvxfer-fresh-pair": fresh_pair, "kvxfer-restart": restart}
