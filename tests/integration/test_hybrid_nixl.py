@@ -45,13 +45,16 @@ def procs():
         p.stop()
 
 
-def consumer(spec):
+def consumer(spec, seed: int = 99):
     agent = Agent("hconsumer", spec, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1)))
-    tensors, arena, _ = hybrid_cache(spec, 99)
+    tensors, arena, _ = hybrid_cache(spec, seed)
     agent.register(tensors)
     return agent, tensors, arena
 
 
+@pytest.mark.compat(producer="kvxfer SDK (`Agent`)", consumer="kvxfer SDK (`Agent`)", tp="1 -> 1, 2 -> 1",
+                    layout="hybrid: full + sliding window (shared tensors) + Mamba2 state, NHD split, block 4 -> same",
+                    path="direct (one post per producer rank, window only)", device="CPU")
 @pytest.mark.parametrize("ptp", [1, 2])
 def test_hybrid_read_moves_every_group_in_one_claim_byte_exact(procs, ptp):
     procs += start(ptp, free_port_block())
@@ -77,6 +80,29 @@ def test_hybrid_read_moves_every_group_in_one_claim_byte_exact(procs, ptp):
                                               ptensors[2][0][t].reshape(8, -1)[SLOTS])
     for p in procs:  # one done notice per producer rank ends its one hold
         assert poll(lambda: p.ask("finished")[0], ["r"]) == ["r"]
+
+
+@pytest.mark.compat(producer="kvxfer SDK (`Agent`)", consumer="kvxfer SDK (`Agent`)", tp="1 -> 2",
+                    layout="hybrid: full + sliding window (shared tensors) + Mamba2 state, NHD split, block 4 -> same",
+                    path="direct (head and state-unit slices)", device="CPU")
+def test_hybrid_read_tp1_producer_to_tp2_consumer_ranks(procs):
+    """Each consumer rank reads its half of the heads and of the Mamba2 state units from the one producer
+    rank; the producer frees the request after both ranks' done notices (one each, for all groups)."""
+    procs += start(1, free_port_block())
+    ranks = [consumer(hybrid_spec(2, r)) for r in range(2)]
+    try:
+        befores = [arena.buf.copy() for _, _, arena in ranks]
+        for i, (agent, _, _) in enumerate(ranks):
+            agent.read(procs[0].address, list(DST), [FULL, SWA, SLOTS], "r", num_tokens=TOKENS).wait(60)
+            if i == 0:  # one rank's done notice does not end a hold two consumer ranks depend on
+                assert procs[0].ask("finished") == ([], [], []) and procs[0].ask("holding") == ["r"]
+        for r, ((_, _, arena), before) in enumerate(zip(ranks, befores)):
+            np.testing.assert_array_equal(arena.buf, expected(hybrid_spec(2, r), before, 1))
+            assert not np.array_equal(arena.buf, before)
+    finally:
+        for agent, _, _ in ranks:
+            agent.close()
+    assert poll(lambda: procs[0].ask("finished")[0], ["r"]) == ["r"]
 
 
 def test_hybrid_read_with_a_hold_token_moves_every_group(procs):
