@@ -123,6 +123,26 @@ def test_hybrid_read_with_a_hold_token_moves_every_group(procs):
     assert poll(lambda: procs[0].ask("finished")[0], ["t"]) == ["t"]
 
 
+def test_a_step_of_two_hybrid_reads_is_byte_exact(procs):
+    """Two requests in one ``read_many`` step (their claims and posts joined per producer rank)."""
+    second = ([13, 14], [30, 31], [6])
+    procs += start(1, free_port_block(), holds={"r": [FULL, SWA, SLOTS], "r2": list(second)})
+    cons, tensors, _ = consumer(hybrid_spec(1, 0))
+    dst2 = ([15, 16], [17, 18], [2])
+    with cons:
+        handles = cons.read_many([ReadRequest(procs[0].address, list(DST), [FULL, SWA, SLOTS], "r", num_tokens=TOKENS),
+                                  ReadRequest(procs[0].address, list(dst2), list(second), "r2", num_tokens=8)])
+        for h in handles:
+            h.wait(60)
+        src, _, _ = hybrid_cache(hybrid_spec(1, 0), 10)
+        for layer in range(ATTN["num_layers"]):
+            np.testing.assert_array_equal(tensors[0][layer][:, DST[0] + dst2[0]], src[0][layer][:, FULL + second[0]])
+            np.testing.assert_array_equal(tensors[1][layer][:, DST[1][2:] + dst2[1]], src[1][layer][:, SWA[2:] + second[1]])
+        for t in range(2):
+            np.testing.assert_array_equal(tensors[2][0][t].reshape(8, -1)[[1, 2]], src[2][0][t].reshape(8, -1)[[5, 6]])
+    assert poll(lambda: procs[0].ask("finished")[0], ["r", "r2"]) == ["r", "r2"]
+
+
 def test_hybrid_mismatched_groups_fail_typed_and_move_nothing(procs):
     procs += start(1, free_port_block(), window=12)
     cons, _, arena = consumer(hybrid_spec(1, 0, window=10))
