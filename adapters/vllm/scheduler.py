@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable
 
 from kvxfer_vllm.extent import load_blocks, tokens_to_load
+from kvxfer_vllm.groups import GroupInfo, full_index, hybrid_load, kept
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.params import (
     BadParams, RemotePrefill, producer_answer, wants_remote_decode, wants_remote_prefill,
@@ -28,10 +29,15 @@ class KvxferScheduler:
     the params a decoder needs, or drops the hold when the request did not end normally.
     Consumer (``do_remote_prefill``): the whole prompt is loaded asynchronously into the
     blocks the local prefix cache does not already cover; an abort cancels the load.
+
+    ``groups``: a hybrid cache's transferred KV-cache groups (``kvxfer_vllm.groups``); block ids
+    are then one tuple per group everywhere (holds, answers, loads), each sliding group's cut to
+    the blocks it keeps. None: one group, flat tuples.
     """
 
     def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 groups: tuple[GroupInfo, ...] | None = None) -> None:
         self._settings = settings
         self._engine_id = engine_id
         self._tp_size = tp_size
@@ -45,6 +51,7 @@ class KvxferScheduler:
         self._clock = clock
         self._queued: dict[str, RemotePrefill] = {}   # consumer requests waiting here, not loading yet
         self._last_beat = clock()
+        self._groups = groups
 
     # ---- wiring ----------------------------------------------------------------------
     def bind(self, kv_cache_manager: Any) -> None:
@@ -73,14 +80,17 @@ class KvxferScheduler:
         if not self._settings.consumes or not wants_remote_prefill(params):
             return 0, False
         try:
-            remote = RemotePrefill.parse(params)
+            remote = self._parse(params)
         except BadParams:
             return 0, False  # reported once in after_alloc
+        if self._groups is not None and remote.block_size not in (None, self._block_size):
+            return 0, False  # a sliding group's window moves between equal blocks only: compute here
+        full = remote.block_ids if self._groups is None else remote.groups[full_index(self._groups)]
         count = tokens_to_load(computed=num_computed_tokens,
                                available=remote.tokens_available(request.num_prompt_tokens),
                                local_block=self._block_size, remote_block=remote.block_size,
-                               remote_blocks=len(remote.block_ids),
-                               partial=self._settings.buffer_device == "cpu")
+                               remote_blocks=len(full),
+                               partial=self._settings.buffer_device == "cpu" and self._groups is None)
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -93,7 +103,7 @@ class KvxferScheduler:
         params["do_remote_prefill"] = False  # one load per request, even if called again
         self._queued.pop(request.request_id, None)  # the load's claim keeps the hold from here
         try:
-            remote = RemotePrefill.parse(params)
+            remote = self._parse(params)
         except BadParams as exc:
             log.warning("kvxfer: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
             return
@@ -103,6 +113,9 @@ class KvxferScheduler:
         if num_external_tokens <= 0 or not self._settings.consumes:
             # nothing to pull (the local prefix cache had it all, or we do not consume): free the producer
             self._orders.releases.append(ReleaseOrder(remote.request_id, remote.host, remote.port))
+            return
+        if self._groups is not None:
+            self._hybrid_load(request, blocks, num_external_tokens, remote)
             return
         every = _first_group(blocks.get_block_ids())
         fresh = _first_group(blocks.get_unhashed_block_ids_all_groups())
@@ -115,6 +128,27 @@ class KvxferScheduler:
             blocks.local, blocks.remote, remote.tp_size, blocks.num_tokens))
         self._loading.add(request.request_id)
 
+    def _parse(self, params: Any) -> RemotePrefill:
+        return RemotePrefill.parse(params, 1 if self._groups is None else len(self._groups))
+
+    def _hybrid_load(self, request: Any, blocks: Any, count: int, remote: RemotePrefill) -> None:
+        """A hybrid cache's load: one list per group on both sides (``kvxfer_vllm.groups``)."""
+        full = full_index(self._groups)
+        every = blocks.get_block_ids()
+        fresh = blocks.get_unhashed_block_ids_all_groups()
+        computed = (len(every[self._groups[full].index]) - len(fresh[self._groups[full].index])) * self._block_size
+        load = hybrid_load(self._groups, computed=computed, count=count, fresh=fresh, remote=remote.groups,
+                           remote_tokens=request.num_prompt_tokens if remote.num_tokens is None else remote.num_tokens,
+                           block_size=self._block_size)
+        self._orders.loads.append(LoadOrder(
+            request.request_id, remote.request_id, remote.host, remote.port,
+            load.local, load.remote, remote.tp_size, load.num_tokens))
+        self._loading.add(request.request_id)
+
+    def _blocks(self, block_ids: Any) -> Any:
+        """A request's blocks as held and answered: the one group's ids, or one tuple per group."""
+        return _first_group(block_ids) if self._groups is None else kept(self._groups, block_ids)
+
     # ---- every step ------------------------------------------------------------------
     def build_orders(self, scheduler_output: Any) -> StepOrders:
         """This step's orders; holds for every producer request whose prompt completes in it."""
@@ -122,7 +156,7 @@ class KvxferScheduler:
         for request_id, request in list(self._producing.items()):
             n = scheduled.get(request_id, 0)
             if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
-                blocks = _first_group(self._kv_cache_manager.get_block_ids(request_id))
+                blocks = self._blocks(self._kv_cache_manager.get_block_ids(request_id))
                 self._orders.holds[request_id] = blocks
                 self._held[request_id] = blocks
                 del self._producing[request_id]
@@ -173,8 +207,8 @@ class KvxferScheduler:
         if held is None:
             return False, None
         normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        final = _first_group(block_ids)
-        if not normal or not final:
+        final = self._blocks(block_ids)
+        if not normal or not final or (self._groups is not None and not any(final)):
             self._orders.dropped.add(request_id)
             return False, None
         if final != held:
