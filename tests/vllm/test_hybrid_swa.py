@@ -17,6 +17,7 @@ import pytest
 
 from conftest import BLOCK_SIZE, pd_servers
 from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
+from test_stock_nixl import STOCK, first_contact
 from vllm_harness import ProxyServer, prefill, prompt_of, route_pd, run_concurrently
 
 WINDOW = 32
@@ -40,9 +41,13 @@ def make_tiny_gemma3(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, vllm_logs):
-    model = make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
-    with pd_servers("hybrid-swa", model, vllm_logs, KVX, KVX) as (p, d):
+def gemma3(tmp_path_factory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="module")
+def servers(gemma3, vllm_logs):
+    with pd_servers("hybrid-swa", gemma3, vllm_logs, KVX, KVX) as (p, d):
         yield p, d
 
 
@@ -121,3 +126,36 @@ def test_a_wrong_window_changes_the_answer(pair):
     swapped[sliding] = swapped[sliding][::-1]
     got = d.complete(prompt, MAX_TOKENS, kv_transfer_params={**first, "remote_block_ids": swapped})
     assert got.token_ids != reference(p, prompt)
+
+
+def _bytes_moved(client, metric: str, count_before: float, requests: int) -> float:
+    """The ``metric`` histogram's sum once its count has grown by ``requests`` (connector stats
+    reach the API server's /metrics a step or a logging interval after the load)."""
+    deadline = time.monotonic() + 60
+    while client.metric(metric + "_count") - count_before < requests:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{metric}: fewer than {requests} loads counted after 60 s")
+        time.sleep(0.5)
+    return client.metric(metric + "_sum")
+
+
+def test_bytes_per_request_against_stock_nixl(pair, gemma3, vllm_logs):
+    """The same prompts through vLLM's own NixlConnector (HMA on, its sliding group clipped to its
+    window too) and through KvxferConnector: kvxfer moves equal or fewer bytes, and both answer as
+    a single instance does."""
+    prompts = [prompt_of(n, seed=900 + n) for n in (100, 130, 257)]
+    p, d = pair
+    refs = [reference(p, x) for x in prompts]
+    with pd_servers("hybrid-swa-stock", gemma3, vllm_logs, STOCK, STOCK) as (sp, sd):
+        sp, sd = sp.client(), sd.client()
+        first_contact(sp, sd)
+        metric = "vllm:nixl_bytes_transferred"
+        count, total = sd.metric(metric + "_count"), sd.metric(metric + "_sum")
+        assert [route_pd(sp, sd, x, MAX_TOKENS).token_ids for x in prompts] == refs
+        stock = _bytes_moved(sd, metric, count, len(prompts)) - total
+    metric = "vllm:kvxfer_bytes_transferred"
+    count, total = d.metric(metric + "_count"), d.metric(metric + "_sum")
+    assert [route_pd(p, d, x, MAX_TOKENS).token_ids for x in prompts] == refs
+    ours = _bytes_moved(d, metric, count, len(prompts)) - total
+    print(f"bytes for prompts of 100, 130 and 257 tokens: kvxfer {ours:.0f}, stock NixlConnector {stock:.0f}")
+    assert 0 < ours <= stock, (ours, stock)
