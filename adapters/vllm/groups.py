@@ -62,8 +62,10 @@ def groups_of(kv_cache_config: Any, block_size: int) -> tuple[GroupInfo, ...] | 
             kind, window = "full", 0
         else:
             raise ConfigError(f"KvxferConnector moves full and sliding-window attention groups; KV-cache group {i} "
-                              f"is {type(spec).__name__} (layers {list(groups[i].layer_names)[:4]}...): run this "
-                              f"model with --disable-hybrid-kv-cache-manager or another connector")
+                              f"is {type(spec).__name__} (layers {list(groups[i].layer_names)[:4]}...), which it "
+                              f"does not move yet: serve this model with vLLM's NixlConnector (SSM state needs "
+                              f"vLLM's hybrid manager), or with --disable-hybrid-kv-cache-manager where vLLM runs "
+                              f"the model without it")
         if int(spec.block_size) != block_size:
             raise ConfigError(f"KV-cache group {i} ({kind}) has blocks of {spec.block_size} tokens; KvxferConnector "
                               f"moves hybrid caches whose groups all have the engine's block size {block_size}")
