@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -121,3 +122,58 @@ def test_scheduler_loads_with_one_list_per_group():
     other = SimpleNamespace(request_id="d3", kv_transfer_params={**params, "remote_block_size": 16},
                             num_prompt_tokens=130)
     assert sched.matched_tokens(other, 0) == (0, False)
+
+
+# ---- the worker: a HybridSpec from vLLM's shared tensors, one read for every group ----------------
+
+def _hybrid_worker(monkeypatch, world, network, name, port):
+    """A worker whose Agent runs over the byte-copying FakeBackend and the in-memory side channel."""
+    from kvxfer import Agent
+    from kvxfer.testing import FakeBackend, MemoryTransport
+    from kvxfer_vllm import worker as worker_module
+
+    def agent(agent_name, spec, config):
+        config = replace(config, side_channel_host="127.0.0.1", side_channel_port=port)
+        return Agent(name, spec, config, backend=FakeBackend(name, world), transport=MemoryTransport(network))
+
+    monkeypatch.setattr(worker_module, "Agent", agent)
+    return worker_module.KvxferWorker(Settings(), tp_rank=0, tp_size=1, model="gemma", block_size=BS,
+                                      num_kv_heads=2, head_size=64, mla=False, single_group=False,
+                                      groups=(GroupInfo(0, "sliding", 32, BS, ("l0", "l2")),
+                                              GroupInfo(1, "full", 0, BS, ("l1", "l3"))))
+
+
+def _vllm_cpu_caches(seed, num_blocks=40):
+    """vLLM's CPU tensors as the hybrid manager hands them: layer i of each group in one tensor."""
+    g = torch.Generator().manual_seed(seed)
+    shared = [torch.randn(num_blocks, 2, BS, 128, generator=g) for _ in range(2)]
+    return {"l0": shared[0], "l1": shared[0], "l2": shared[1], "l3": shared[1]}, shared
+
+
+def test_worker_reads_every_group_and_only_the_sliding_window(monkeypatch):
+    from kvxfer.testing import FakeWorld, MemoryNetwork, wait_for
+    from kvxfer_vllm.metadata import LoadOrder, StepOrders
+
+    world, network = FakeWorld(), MemoryNetwork()
+    p_caches, p_shared = _vllm_cpu_caches(1)
+    d_caches, d_shared = _vllm_cpu_caches(2)
+    before = [t.clone() for t in d_shared]
+    prod = _hybrid_worker(monkeypatch, world, network, "p", 7300)
+    prod.register(p_caches, 40)   # each worker's Agent is built here, with the patch of its own name
+    cons = _hybrid_worker(monkeypatch, world, network, "d", 7301)
+    try:
+        cons.register(d_caches, 40)
+        prod.apply(StepOrders(holds={"r": ((13, 14), (1, 2, 3, 4, 5))}))
+        # 130 tokens: the window of 32 ends at token 129, in the sliding list's last 2 blocks
+        cons.apply(StepOrders(loads=[LoadOrder("d1", "r", "127.0.0.1", 7300, ((20, 21, 22, 23, 24),
+                                                                             (31, 32, 33, 34, 35)),
+                                               ((13, 14), (1, 2, 3, 4, 5)), 1, 130)]))
+        assert wait_for(lambda: "d1" in cons.collect().recving or False, 10)
+        for p, d, old in zip(p_shared, d_shared, before):
+            assert torch.equal(d[[31, 32, 33, 34, 35]], p[[1, 2, 3, 4, 5]])     # full group: every block
+            assert torch.equal(d[[23, 24]], p[[13, 14]])                        # sliding group: its window
+            untouched = [b for b in range(40) if b not in (31, 32, 33, 34, 35, 23, 24)]
+            assert torch.equal(d[untouched], old[untouched])                    # nothing else written
+    finally:
+        prod.close()
+        cons.close()
