@@ -97,6 +97,10 @@ def test_prefill_answers_one_list_per_group_sliding_cut_to_its_window(pair):
     assert d.complete(prompt, MAX_TOKENS, kv_transfer_params=params).token_ids == reference(p, prompt)
 
 
+@pytest.mark.compat(producer="vLLM", consumer="vLLM", tp="1 -> 1",
+                    layout="vLLM hybrid manager: full + sliding window 32 (Gemma 3, shared tensors), vLLM CPU "
+                           "(HND head-packed, K transposed), block 32 -> same",
+                    path="direct (one read for both groups, window only)", device="CPU")
 @pytest.mark.parametrize("length", [40, 100, 130, 257])
 def test_tokens_equal_a_single_instance(pair, length):
     p, d = pair
