@@ -10,8 +10,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from kvxfer_vllm.groups import groups_of
 from kvxfer_vllm.metadata import StepOrders
 from kvxfer_vllm.scheduler import KvxferScheduler
 from kvxfer_vllm.settings import Settings
@@ -30,9 +32,15 @@ def _heads_and_size(vllm_config: "VllmConfig") -> tuple[int, int, bool]:
     return model.get_total_num_kv_heads(), model.get_head_size(), bool(model.use_mla)
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill/decode over kvxfer. Built twice by vLLM: with role SCHEDULER in
-    the engine core (a ``KvxferScheduler``) and with role WORKER in each worker (a ``KvxferWorker``)."""
+    the engine core (a ``KvxferScheduler``) and with role WORKER in each worker (a ``KvxferWorker``).
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on, so a model of several KV-cache
+    groups (full and sliding-window attention) moves one block list per group, each sliding
+    group's cut to its window (``kvxfer_vllm.groups``). A model of one group takes the one-group
+    path unchanged; a group kind the adapter cannot move (SSM state, ...) fails at start-up,
+    typed, naming the group."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig") -> None:
@@ -44,19 +52,20 @@ class KvxferConnector(KVConnectorBase_V1):
         self._worker: KvxferWorker | None = None
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         self._failed_blocks: set[int] = set()
+        groups = groups_of(kv_cache_config, block_size) if kv_cache_config is not None else None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KvxferScheduler(
                 settings, engine_id=vllm_config.kv_transfer_config.engine_id or "",
-                tp_size=parallel.tensor_parallel_size, block_size=block_size)
+                tp_size=parallel.tensor_parallel_size, block_size=block_size, groups=groups)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             heads, head_size, mla = _heads_and_size(vllm_config)
-            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+            count = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
             self._worker = KvxferWorker(
                 settings, tp_rank=get_tensor_model_parallel_rank(), tp_size=parallel.tensor_parallel_size,
                 model=str(vllm_config.model_config.model), block_size=block_size, num_kv_heads=heads,
-                head_size=head_size, mla=mla, single_group=groups == 1)
+                head_size=head_size, mla=mla, single_group=count == 1, groups=groups)
 
     # ---- class-level ------------------------------------------------------------------
     @classmethod
@@ -94,6 +103,11 @@ class KvxferConnector(KVConnectorBase_V1):
         self._scheduler.update(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid-manager call: one block list per KV-cache group (one list for a one-group model)."""
         return self._scheduler.finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:

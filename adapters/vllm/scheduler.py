@@ -13,6 +13,7 @@ from typing import Any, Callable
 from kvxfer import TokenBook
 
 from kvxfer_vllm.extent import load_blocks, tokens_to_load
+from kvxfer_vllm.groups import GroupInfo, full_index, hybrid_load, kept
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.params import (
     BadParams, RemotePrefill, producer_answer, wants_remote_decode, wants_remote_prefill,
@@ -35,10 +36,15 @@ class KvxferScheduler:
     naming them (``do_remote_decode``); a prefill instance handed such params with a request
     loads the tokens they cover (``remote_num_tokens``), computes the rest and holds its blocks
     for the next decoder as usual.
+
+    ``groups``: a hybrid cache's transferred KV-cache groups (``kvxfer_vllm.groups``); block ids
+    are then one tuple per group everywhere (holds, answers, loads), each sliding group's cut to
+    the blocks it keeps. None: one group, flat tuples.
     """
 
     def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 groups: tuple[GroupInfo, ...] | None = None) -> None:
         self._settings = settings
         self._engine_id = engine_id
         self._tp_size = tp_size
@@ -58,6 +64,7 @@ class KvxferScheduler:
         slots = settings.hold_words if settings.produces else 0
         self._book: TokenBook | None = TokenBook(slots) if slots else None
         self._tokens: dict[str, tuple[int, int, int]] = {}  # request id -> the token its workers hold under
+        self._groups = groups
 
     # ---- wiring ----------------------------------------------------------------------
     def bind(self, kv_cache_manager: Any) -> None:
@@ -87,14 +94,17 @@ class KvxferScheduler:
         if not turn and (not self._settings.consumes or not wants_remote_prefill(params)):
             return 0, False
         try:
-            remote = RemotePrefill.parse(params)
+            remote = self._parse(params)
         except BadParams:
             return 0, False  # reported once in after_alloc
+        if self._groups is not None and remote.block_size not in (None, self._block_size):
+            return 0, False  # a sliding group's window moves between equal blocks only: compute here
+        full = remote.block_ids if self._groups is None else remote.groups[full_index(self._groups)]
         count = tokens_to_load(computed=num_computed_tokens,
                                available=remote.tokens_available(request.num_prompt_tokens),
                                local_block=self._block_size, remote_block=remote.block_size,
-                               remote_blocks=len(remote.block_ids),
-                               partial=self._settings.buffer_device == "cpu")
+                               remote_blocks=len(full),
+                               partial=self._settings.buffer_device == "cpu" and self._groups is None)
         if turn and count < max(1, self._settings.recompute_threshold):
             return 0, False   # vLLM's kv_recompute_threshold: so few tokens are cheaper to compute
         return (count, True) if count > 0 else (0, False)
@@ -119,7 +129,7 @@ class KvxferScheduler:
                 self._decoded.add(request.request_id)
         self._queued.pop(request.request_id, None)  # the load's claim keeps the hold from here
         try:
-            remote = RemotePrefill.parse(params)
+            remote = self._parse(params)
         except BadParams as exc:
             log.warning("kvxfer: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
             return
@@ -130,6 +140,9 @@ class KvxferScheduler:
         if num_external_tokens <= 0 or not consumes:
             # nothing to pull (the local prefix cache had it all, or we do not consume): free the producer
             self._orders.releases.append(ReleaseOrder(remote.request_id, remote.host, remote.port))
+            return
+        if self._groups is not None:
+            self._hybrid_load(request, blocks, num_external_tokens, remote)
             return
         every = _first_group(blocks.get_block_ids())
         fresh = _first_group(blocks.get_unhashed_block_ids_all_groups())
@@ -145,6 +158,27 @@ class KvxferScheduler:
             blocks.local, blocks.remote, remote.tp_size, blocks.num_tokens, token))
         self._loading.add(request.request_id)
 
+    def _parse(self, params: Any) -> RemotePrefill:
+        return RemotePrefill.parse(params, 1 if self._groups is None else len(self._groups))
+
+    def _hybrid_load(self, request: Any, blocks: Any, count: int, remote: RemotePrefill) -> None:
+        """A hybrid cache's load: one list per group on both sides (``kvxfer_vllm.groups``)."""
+        full = full_index(self._groups)
+        every = blocks.get_block_ids()
+        fresh = blocks.get_unhashed_block_ids_all_groups()
+        computed = (len(every[self._groups[full].index]) - len(fresh[self._groups[full].index])) * self._block_size
+        load = hybrid_load(self._groups, computed=computed, count=count, fresh=fresh, remote=remote.groups,
+                           remote_tokens=request.num_prompt_tokens if remote.num_tokens is None else remote.num_tokens,
+                           block_size=self._block_size)
+        self._orders.loads.append(LoadOrder(
+            request.request_id, remote.request_id, remote.host, remote.port,
+            load.local, load.remote, remote.tp_size, load.num_tokens))
+        self._loading.add(request.request_id)
+
+    def _blocks(self, block_ids: Any) -> Any:
+        """A request's blocks as held and answered: the one group's ids, or one tuple per group."""
+        return _first_group(block_ids) if self._groups is None else kept(self._groups, block_ids)
+
     # ---- every step ------------------------------------------------------------------
     def build_orders(self, scheduler_output: Any) -> StepOrders:
         """This step's orders; holds for every producer request whose prompt completes in it."""
@@ -152,7 +186,7 @@ class KvxferScheduler:
         for request_id, request in list(self._producing.items()):
             n = scheduled.get(request_id, 0)
             if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
-                blocks = _first_group(self._kv_cache_manager.get_block_ids(request_id))
+                blocks = self._blocks(self._kv_cache_manager.get_block_ids(request_id))
                 self._orders.holds[request_id] = blocks
                 self._held[request_id] = blocks
                 self._issue_token(request_id, blocks)
@@ -182,8 +216,10 @@ class KvxferScheduler:
             self._retire_token(request_id)
 
     def _issue_token(self, request_id: str, blocks: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """A token for the hold ordered this step (None: no table, or every slot taken)."""
-        token = self._book.issue(request_id, blocks) if self._book is not None and blocks else None
+        """A token for the hold ordered this step (None: no table, every slot taken, or a hybrid
+        cache's per-group lists: those reads claim)."""
+        token = self._book.issue(request_id, blocks) \
+            if self._book is not None and blocks and self._groups is None else None
         if token is None:
             self._tokens.pop(request_id, None)
             return None
@@ -223,8 +259,8 @@ class KvxferScheduler:
         held = self._held.pop(request_id, None)
         if held is None:
             return False, None
-        final = _first_group(block_ids)
-        if not normal or not final:
+        final = self._blocks(block_ids)
+        if not normal or not final or (self._groups is not None and not any(final)):
             self._orders.dropped.add(request_id)
             self._retire_token(request_id)
             return False, None
@@ -251,7 +287,7 @@ class KvxferScheduler:
     def _keep_for_next_turn(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """bidirectional_kv_xfer, decode side: hold a decoded request's blocks for
         ``decoder_kv_blocks_ttl`` seconds and answer params a prefill instance reads them with."""
-        final = _first_group(block_ids)
+        final = self._blocks(block_ids)
         if not final or self._address is None:
             return False, None
         request_id = request.request_id

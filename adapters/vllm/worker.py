@@ -20,9 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer import Agent, ConfigError, HoldToken, KvxferError, ReadRequest, TransferHandle
+from kvxfer import (
+    Agent, AttentionGroup, ConfigError, HoldToken, HybridSpec, KvxferError, LayoutError, ReadRequest, TransferHandle,
+)
 
 from kvxfer_vllm.cache import CacheDescription, describe_cache
+from kvxfer_vllm.groups import GroupInfo
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.settings import Settings
 from kvxfer_vllm.stats import KvxferKVConnectorStats
@@ -60,12 +63,14 @@ class KvxferWorker:
 
     def __init__(self, settings: Settings, *, tp_rank: int, tp_size: int, model: str,
                  block_size: int, num_kv_heads: int, head_size: int, mla: bool,
-                 single_group: bool) -> None:
+                 single_group: bool, groups: tuple[GroupInfo, ...] | None = None) -> None:
         self._settings = settings
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._model, self._block_size = model, block_size
         self._num_kv_heads, self._head_size, self._mla = num_kv_heads, head_size, mla
         self._single_group = single_group
+        self._groups = groups
+        self._hybrid: HybridSpec | None = None
         self._agent: Agent | None = None
         self._cache: CacheDescription | None = None
         self._loads: dict[str, _Load] = {}
@@ -90,6 +95,9 @@ class KvxferWorker:
             raise ConfigError(
                 f"kv_buffer_device is {wanted!r} but the KV cache is on {sorted(devices)}; KvxferConnector "
                 f"registers the cache where it lives (set kv_buffer_device to {sorted(devices)[0]!r})")
+        if self._groups is not None:
+            self._register_hybrid(kv_caches, num_blocks)
+            return
         self._cache = describe_cache(
             list(kv_caches.values()), num_blocks=num_blocks, block_size=self._block_size,
             num_kv_heads=self._num_kv_heads, head_size=self._head_size, tp_rank=self._tp_rank,
@@ -107,6 +115,46 @@ class KvxferWorker:
                  agent.engine_id, host, port, spec.num_layers, spec.num_blocks, spec.layout.value,
                  spec.storage.value, spec.heads_per_rank, spec.num_kv_heads, spec.dtype,
                  f" ({self._cache.note})" if self._cache.note else "")
+
+    def _register_hybrid(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        """Every transferred group's layers described as one ``AttentionGroup`` of a ``HybridSpec``
+        (vLLM's groups share tensors: layer i of each group lives in one tensor, which kvxfer
+        registers once; the block ids vLLM hands each group never collide).
+
+        Raises:
+            LayoutError: a group's layers missing from ``kv_caches`` (names the group and layer), or
+                a group whose description only places whole blocks of one format (kvxfer's
+                hybrid reads convert layouts, so they need an exact description).
+        """
+        groups, tensors, notes = [], [], []
+        for g in self._groups:
+            missing = [n for n in g.layer_names if n not in kv_caches]
+            if missing:
+                raise LayoutError(f"KV-cache group {g.name}: layers {missing} have no KV-cache tensor "
+                                  f"(vLLM gave {sorted(kv_caches)[:6]}...)")
+            desc = describe_cache(
+                [kv_caches[n] for n in g.layer_names], num_blocks=num_blocks, block_size=g.block_size,
+                num_kv_heads=self._num_kv_heads, head_size=self._head_size, tp_rank=self._tp_rank,
+                tp_size=self._tp_size, model=self._model, mla=self._mla)
+            if desc.same_format_only or not desc.head_slices_exact:
+                notes.append(f"{g.name}: {desc.note}")
+            groups.append(AttentionGroup(desc.spec, sliding_window=g.sliding_window, name=g.name))
+            tensors.append(desc.tensors)
+        self._cache = CacheDescription(desc.spec, [], head_slices_exact=not notes, same_format_only=bool(notes),
+                                       note="; ".join(notes))
+        self._hybrid = HybridSpec(tuple(groups))
+        agent = Agent(f"vllm-tp{self._tp_rank}", self._hybrid, self._settings.agent_config())
+        try:
+            agent.register(tensors)
+            host, port = agent.listen()
+        except BaseException:
+            agent.close()
+            raise
+        self._agent = agent
+        log.info("kvxfer agent %s on %s:%d: hybrid cache of %d groups %s, %d blocks, heads %d/%d, %s",
+                 agent.engine_id, host, port, len(groups),
+                 [(g.name, len(g.layer_names), g.sliding_window) for g in self._groups], num_blocks,
+                 desc.spec.heads_per_rank, desc.spec.num_kv_heads, desc.spec.dtype)
 
     @property
     def single_group(self) -> bool:
@@ -127,6 +175,8 @@ class KvxferWorker:
             self._ignored.add(request_id)
             agent.release(request_id)
         for request_id, blocks in orders.holds.items():
+            if self._groups is not None:
+                blocks = [list(ids) for ids in blocks]   # one list per group
             self._hold(agent, request_id, blocks, orders.tokens.get(request_id), orders.hold_leases.get(request_id))
         self._kept |= orders.kept
         self._start_loads(agent, orders.loads)
@@ -273,7 +323,7 @@ class KvxferWorker:
             else:
                 ready.append(order)
         same_format = bool(cache is not None and cache.same_format_only)
-        requests = [ReadRequest((o.host, o.port), list(o.local_blocks), list(o.remote_blocks),
+        requests = [ReadRequest((o.host, o.port), _ids(o.local_blocks), _ids(o.remote_blocks),
                                 o.remote_request_id, same_format=same_format, num_tokens=o.num_tokens,
                                 token=HoldToken(*o.hold_token) if o.hold_token is not None else None)
                     for o in ready]
@@ -288,3 +338,9 @@ class KvxferWorker:
             return
         for order, handle in zip(ready, handles):
             self._loads[order.request_id] = _Load(order, handle)
+
+
+def _ids(blocks: Any) -> list:
+    """A load's ids as ``ReadRequest`` takes them: a flat list (one group) or one list per group."""
+    blocks = list(blocks)
+    return [list(g) for g in blocks] if blocks and isinstance(blocks[0], (list, tuple)) else blocks

@@ -19,6 +19,7 @@ import numpy as np
 from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
 from kvxfer.agent.claims import Claims
 from kvxfer.agent.heartbeats import send_keepalive, tell_abort
+from kvxfer.agent.hybrid import hybrid_config, hybrid_hold_ids, hybrid_reads, hybrid_spec, refuse_hybrid
 from kvxfer.agent.progress import drive_once, run_progress
 from kvxfer.agent.streams import WriteStream
 from kvxfer.agent.notices import DoneSender
@@ -47,6 +48,7 @@ from kvxfer.errors import (
 )
 from kvxfer.layout import CacheView, KVSpec
 from kvxfer.memory import MemoryRegistry, host_view
+from kvxfer.memory.hybrid import register_hybrid
 from kvxfer.protocol import (
     Codec, compat_hash, encode_notification, make_peer_info, new_engine_id,
 )
@@ -73,7 +75,8 @@ class Agent:
 
     Args:
         name: a readable name (the engine id adds a random nonce to it).
-        spec: this rank's cache shape.
+        spec: this rank's cache shape: a ``KVSpec``, or a ``HybridSpec`` (several KV-cache groups:
+            docs/api.md, "Hybrid caches"; ``spec`` is then its flat-id carrier and ``hybrid`` the groups).
         config: side channel, backends, leases, timeouts (``AgentConfig.from_env()`` by default).
         backend: a ``Backend``; default a ``NixlBackend`` with ``config.backends``.
         clock: the clock leases and deadlines use (tests pass a ``ManualClock``).
@@ -94,6 +97,7 @@ class Agent:
     def __init__(self, name: str, spec: KVSpec, config: AgentConfig | None = None, *,
                  backend: Backend | None = None, clock: Clock | None = None,
                  transport: Transport | None = None) -> None:
+        spec = hybrid_spec(spec)  # a HybridSpec: its flat-id carrier (kvxfer/agent/hybrid.py)
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec; got {type(spec).__name__}")
         if not isinstance(name, str) or not name:
@@ -101,7 +105,7 @@ class Agent:
         if config is not None and not isinstance(config, AgentConfig):
             raise ConfigError(f"config must be an AgentConfig or None; got {type(config).__name__}")
         self.spec = spec
-        self.config = config or AgentConfig.from_env()
+        self.config = hybrid_config(spec, config or AgentConfig.from_env())
         self.engine_id = new_engine_id(name)
         clock = clock or MonotonicClock()
         if backend is None:
@@ -167,7 +171,9 @@ class Agent:
         self._check_open()
         if self._view is not None:
             raise RegistrationError("a KV cache is already registered with this agent")
-        geometry = self._registry.register(self.spec, tensors)
+        hybrid = self.hybrid
+        geometry = (register_hybrid(self._registry, hybrid, tensors) if hybrid is not None
+                    else self._registry.register(self.spec, tensors))
         self._view = CacheView(self.spec, geometry)
         staging, base = None, 0
         if self.config.staging_bytes and geometry.kind is MemKind.DRAM:
@@ -236,6 +242,11 @@ class Agent:
         return self._address
 
     @property
+    def hybrid(self):
+        """The ``HybridSpec`` of a hybrid cache (None: one group)."""
+        return getattr(self.spec, "hybrid", None)
+
+    @property
     def cache(self) -> CacheView:
         """The registered cache's view (spec and geometry). Raises RegistrationError before ``register``."""
         return self._require_cache()
@@ -277,6 +288,7 @@ class Agent:
         self._check_open()
         checked_id(request_id)
         flag(replace, "replace")
+        block_ids = hybrid_hold_ids(self.spec, block_ids)  # a hybrid cache: one list per group
         if token is not None:  # issue 35: the caller's token (kvxfer/engine/holdwords.py, reserve)
             reserve_token(self._words, request_id, block_ids, self.spec.num_blocks, token, consumer_engines)
         try:
@@ -415,6 +427,7 @@ class Agent:
         started = time.perf_counter()
         self._check_open()
         self._require_cache()
+        requests = hybrid_reads(self.spec, requests)  # a hybrid cache: one list per group -> flat ids
         return self._submit.reads(requests, started)
 
     def write(self, remote: tuple[str, int], local_blocks, remote_blocks, request_id: str, *,
@@ -433,6 +446,7 @@ class Agent:
         """
         self._check_open()
         self._require_cache()
+        refuse_hybrid(self.spec, "a write")
         return self._submit.write(remote, local_blocks, remote_blocks, request_id, timeout)
 
     def expect_writes(self, request_id: str, producers: int = 1, *, writes: int = 1) -> None:
@@ -471,6 +485,7 @@ class Agent:
         Raises (at once): BlockIdError, ConfigError (``producers``, ``timeout``, ``payload``, no
         listener), ClosedError.
         """
+        refuse_hybrid(self.spec, "a push (announce)")
         start_announce(self._parts, remote, request_id, block_ids, payload, producers, timeout)
 
     def announced(self, request_id: str) -> tuple[Announcement, ...]:

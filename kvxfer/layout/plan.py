@@ -378,6 +378,9 @@ def build_plan(local: CacheView, remote: CacheView, *, allow_conversion: bool = 
     for name, view in (("local", local), ("remote", remote)):
         if not isinstance(view, CacheView):
             raise LayoutError(f"{name} must be a CacheView; got {type(view).__name__}")
+    if getattr(local.spec, "hybrid", None) is not None or getattr(remote.spec, "hybrid", None) is not None:
+        from kvxfer.layout.carrier import build_flat_plan  # a hybrid cache's carrier: every group's plan
+        return build_flat_plan(local, remote, allow_conversion=allow_conversion)
     if mode not in ("auto", "direct", "host-staged", "staged"):
         raise LayoutError(f"mode must be 'auto', 'direct' or 'host-staged'; got {mode!r}")
     mode = "host-staged" if mode == "staged" else str(mode)

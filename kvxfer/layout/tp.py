@@ -69,7 +69,11 @@ def unit_read_ranks(units: int, local_tp: int, local_rank: int, remote_tp: int, 
 
 
 def notify_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
-    """Every remote rank holding a head ``local`` needs (ascending); ``local`` notifies each once per request."""
+    """Every remote rank holding a head ``local`` needs (ascending); ``local`` notifies each once per request.
+    A hybrid cache's carrier (``kvxfer.layout.carrier``): the union over its groups."""
+    if getattr(local, "hybrid", None) is not None:
+        from kvxfer.layout.hybrid import hybrid_notify_ranks
+        return hybrid_notify_ranks(local.hybrid, remote_tp_size)
     return unit_notify_ranks(local.num_kv_heads, local.tp_size, local.tp_rank, remote_tp_size, local.mla)
 
 
@@ -80,6 +84,9 @@ def peer_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:
     Among replicas of one head range, the one at position ``local.tp_rank % replication``
     is chosen, so the consumers sharing a head range spread over its replicas.
     """
+    if getattr(local, "hybrid", None) is not None:
+        from kvxfer.layout.hybrid import hybrid_peer_ranks
+        return hybrid_peer_ranks(local.hybrid, remote_tp_size)
     return unit_read_ranks(local.num_kv_heads, local.tp_size, local.tp_rank, remote_tp_size, local.mla)
 
 
@@ -88,6 +95,9 @@ def expected_notifications(producer: KVSpec, consumer_tp_size: int) -> int:
 
     Equals ``sum(producer.tp_rank in notify_ranks(c, producer.tp_size) for c in consumer ranks)``.
     """
+    if getattr(producer, "hybrid", None) is not None:
+        from kvxfer.layout.hybrid import hybrid_expected_notifications
+        return hybrid_expected_notifications(producer.hybrid, consumer_tp_size)
     _check_tp(consumer_tp_size)
     have = head_range(producer.num_kv_heads, producer.tp_size, producer.tp_rank, producer.mla)
     return sum(

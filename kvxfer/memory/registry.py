@@ -198,6 +198,13 @@ class MemoryRegistry:
         self._keep.append(buffer)
         return region
 
+    def register_regions(self, regions: Sequence[Region], keep: Any) -> None:
+        """Register ``regions`` (checked by the caller) and keep ``keep`` alive while registered;
+        memory already registered is not registered again."""
+        self._check_open()
+        self._add(list(regions))
+        self._keep.append(keep)
+
     def _add(self, regions: list[Region]) -> None:
         fresh = [r for r in merge_spans(regions)
                  if not self.contains(r.addr, r.length, r.kind, r.device)]

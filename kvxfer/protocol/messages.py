@@ -183,6 +183,10 @@ class PeerInfo(msgspec.Struct, frozen=True):
     hold_words: Annotated[str, Meta(max_length=512)] = ""
     hold_slots: Annotated[int, Meta(ge=0, le=1 << 24)] = 0
     hold_words_addr: Annotated[int, Meta(ge=0)] = 0
+    # Appended: a hybrid cache's groups (kvxfer.protocol.hybridwire); ``spec`` is then its flat-id
+    # carrier (kvxfer.layout.carrier). Older peers: b"" (one group; they refuse a hybrid peer's
+    # carrier spec by its compat hash).
+    hybrid: Annotated[bytes, Meta(max_length=4 << 20)] = b""
 
 
 class Hello(_Msg, frozen=True):
@@ -494,6 +498,9 @@ def check_peer_info(info: PeerInfo, compat: str | None = None) -> tuple[KVSpec, 
     if not math.isfinite(info.lease_timeout) or info.lease_timeout <= 0:
         raise ProtocolError(f"peer lease_timeout: expected > 0; got {info.lease_timeout!r}")
     geometry = CacheGeometry(info.bases, device=info.device, kind=MemKind(info.mem_kind))
+    if info.hybrid:  # a hybrid cache: its carrier spec and every group's geometry
+        from kvxfer.protocol.hybridwire import hybrid_from_wire
+        return hybrid_from_wire(info.hybrid, spec, info.device, MemKind(info.mem_kind))
     return spec, geometry
 
 
@@ -523,11 +530,15 @@ def make_peer_info(
         LayoutError: ``geometry`` does not fit ``spec``.
     """
     geometry.check(spec)
+    hybrid = b""
+    if getattr(geometry, "view", None) is not None:  # a hybrid cache (kvxfer.layout.carrier)
+        from kvxfer.protocol.hybridwire import hybrid_to_wire
+        hybrid = hybrid_to_wire(geometry.view)
     return PeerInfo(
         engine_id=engine_id, agent_name=agent_name, spec=spec_to_wire(spec),
         bases=geometry.bases.tolist(), device=int(geometry.device),
         mem_kind=MemKind(geometry.kind).value, backend_metadata=bytes(backend_metadata),
         listen_host=listen_host, listen_port=int(listen_port), lease_timeout=float(lease_timeout),
         multiplexed=bool(multiplexed), express_port=int(express_port), packed_ids=True,
-        batch_claims=True, batch_done=True,
+        batch_claims=True, batch_done=True, hybrid=hybrid,
     )

@@ -28,7 +28,7 @@ from kvxfer.layout.spec import Layout, Storage
 #: multiplexed listener (request ids on the side channel).
 GPU_FIELDS = ("host_id", "ipc", "staging")
 NEWER_FIELDS = GPU_FIELDS + ("multiplexed", "express_port", "net_id", "packed_ids", "batch_claims", "batch_done",
-                                 "hold_words", "hold_slots", "hold_words_addr")
+                                 "hold_words", "hold_slots", "hold_words_addr", "hybrid")
 #: The messages the old peer's union does not have.
 NEWER = (Done, PackRequest, PackReady, ClaimBatch, Grants)
 
@@ -103,7 +103,7 @@ def test_appended_fields_are_last_and_defaulted():
                                                                            multiplexed=False, express_port=0, net_id="",
                                                                            packed_ids=False, batch_claims=False,
                                                                            batch_done=False, hold_words="",
-                                                                           hold_slots=0, hold_words_addr=0)
+                                                                           hold_slots=0, hold_words_addr=0, hybrid=b"")
     assert OLD_FIELDS == tuple(f.name for f in fields[:-len(NEWER_FIELDS)])
 
 

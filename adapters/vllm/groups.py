@@ -1,0 +1,134 @@
+"""vLLM's KV-cache groups (the hybrid KV-cache manager's) in the adapter's terms; imports kvxfer's public API only, never vllm at import time.
+
+With the hybrid manager on, vLLM gives each kind of layer its own group with its own block
+table: full attention, sliding-window attention, SSM state. Here: which groups a request's
+blocks travel in, how a sliding group's list is cut to the blocks its window keeps, and how a
+load's per-group lists line up with the producer's. A model of one group never comes here
+(``groups_of`` returns None): its path is the one-group path, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvxfer import ConfigError
+
+from kvxfer_vllm.extent import load_blocks
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One transferred KV-cache group: its index in vLLM's ``kv_cache_groups``, its kind
+    (``full`` or ``sliding``), the window in tokens (0: full), its block size and layer names."""
+
+    index: int
+    kind: str
+    sliding_window: int
+    block_size: int
+    layer_names: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.index}"
+
+    def kept_blocks(self) -> int:
+        """Blocks a sliding group keeps at the end of a request's list (0: all, a full group):
+        its window's blocks plus one, for a window that does not start on a block boundary."""
+        return -(-self.sliding_window // self.block_size) + 1 if self.sliding_window else 0
+
+
+def groups_of(kv_cache_config: Any, block_size: int) -> tuple[GroupInfo, ...] | None:
+    """The groups a hybrid cache transfers, in vLLM's order; None for a cache of one group.
+
+    Raises:
+        ConfigError: a group kind the adapter cannot move yet (SSM/Mamba state, chunked local
+            attention, cross-attention, ...), naming the group and its kind; a group whose block
+            size is not ``block_size`` (names both); or no full-attention group (the load's
+            extent is taken from one).
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) <= 1:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
+    out = []
+    for i in ids:
+        spec = groups[i].kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            kind, window = "sliding", int(spec.sliding_window)
+        elif type(spec) is FullAttentionSpec:
+            kind, window = "full", 0
+        else:
+            raise ConfigError(f"KvxferConnector moves full and sliding-window attention groups; KV-cache group {i} "
+                              f"is {type(spec).__name__} (layers {list(groups[i].layer_names)[:4]}...), which it "
+                              f"does not move yet: serve this model with vLLM's NixlConnector (SSM state needs "
+                              f"vLLM's hybrid manager), or with --disable-hybrid-kv-cache-manager where vLLM runs "
+                              f"the model without it")
+        if int(spec.block_size) != block_size:
+            raise ConfigError(f"KV-cache group {i} ({kind}) has blocks of {spec.block_size} tokens; KvxferConnector "
+                              f"moves hybrid caches whose groups all have the engine's block size {block_size}")
+        out.append(GroupInfo(i, kind, window, int(spec.block_size), tuple(groups[i].layer_names)))
+    if not any(g.kind == "full" for g in out):
+        raise ConfigError(f"KvxferConnector needs a full-attention KV-cache group in a hybrid cache; got "
+                          f"{[g.name for g in out]}")
+    return tuple(out)
+
+
+def full_index(groups: Sequence[GroupInfo]) -> int:
+    """Position (among ``groups``) of the first full-attention group."""
+    return next(i for i, g in enumerate(groups) if g.kind == "full")
+
+
+def select(groups: Sequence[GroupInfo], block_ids: Any) -> tuple[tuple[int, ...], ...]:
+    """One id tuple per transferred group from vLLM's tuple of per-group lists (all groups)."""
+    return tuple(tuple(block_ids[g.index]) for g in groups)
+
+
+def kept(groups: Sequence[GroupInfo], block_ids: Any) -> tuple[tuple[int, ...], ...]:
+    """A request's blocks per transferred group, each sliding group's cut to what it keeps
+    (the tail of ``kept_blocks()``; vLLM frees the blocks before it, or marks them null)."""
+    out = []
+    for g, ids in zip(groups, select(groups, block_ids)):
+        n = g.kept_blocks()
+        out.append(ids[-n:] if n else ids)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class HybridLoad:
+    """A load's lists, one per transferred group (same order on both sides); ``num_tokens``:
+    the request's tokens after the load, which cuts each sliding group's lists to its window."""
+
+    local: tuple[tuple[int, ...], ...]
+    remote: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+def hybrid_load(groups: Sequence[GroupInfo], *, computed: int, count: int, fresh: Any,
+                remote: Sequence[Sequence[int]], remote_tokens: int, block_size: int) -> HybridLoad:
+    """The per-group lists that load ``count`` tokens after the ``computed`` ones (whole blocks
+    of ``block_size`` on both sides).
+
+    Full groups: as the one-group path (``load_blocks``). Sliding groups: the decode's fresh
+    blocks of that group, ending at the block of token ``computed + count - 1``, against the
+    producer's kept tail, whose last block holds token ``remote_tokens - 1``, cut to end at the
+    same block; kvxfer then moves the window of ``computed + count`` tokens only.
+    """
+    end = computed + count
+    local_out, remote_out = [], []
+    for g, mine, theirs in zip(groups, select(groups, fresh), remote):
+        theirs = tuple(theirs)
+        if g.kind == "full":
+            blocks = load_blocks(computed=computed, count=count, fresh=mine, remote_ids=theirs,
+                                 local_block=block_size, remote_block=block_size)
+            local_out.append(blocks.local)
+            remote_out.append(blocks.remote)
+            continue
+        last_remote = (max(remote_tokens, 1) - 1) // block_size   # block index of the list's last id
+        drop = last_remote - (end - 1) // block_size               # producer blocks past the load's end
+        remote_out.append(theirs[:len(theirs) - drop] if drop > 0 else theirs)
+        want = -(-end // block_size) - computed // block_size      # the decode's blocks from `computed` to `end`
+        local_out.append(tuple(mine[:want]))
+    return HybridLoad(tuple(local_out), tuple(remote_out), end)
