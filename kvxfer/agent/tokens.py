@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kvxfer.engine.holdwords import WordView, hold_tag
-from kvxfer.engine.remotewords import WordReader
+from kvxfer.engine.remotewords import RemoteWordView, WordReader
+from kvxfer.engine.transfers import LOOKING
 from kvxfer.errors import ConfigError, KvxferError, LeaseExpiredError
 from kvxfer.layout import expected_notifications
 from kvxfer.layout.request import check_block_ids
@@ -121,11 +121,37 @@ class TokenReads:
             self._views.pop(key, None)
 
     @staticmethod
-    def verifier(view, request_id: str, token: HoldToken):
-        """The engine's look at the word once the move completed: None, or the read's error."""
-        return partial(_verify, view, request_id, token)
+    def verifier(view, request_id: str, token: HoldToken) -> "Verifier":
+        """The engine's look at the word once the move completed (``_Request.verify``)."""
+        return Verifier(view, request_id, token)
 
 
-def _verify(view, request_id: str, token: HoldToken) -> LeaseExpiredError | None:
-    why = view.check(token)
-    return LeaseExpiredError(f"request {request_id!r}: {why}") if why else None
+class Verifier:
+    """One token read's look at its producer's word: called by the engine once the move has
+    completed (and again while a look across hosts is out: ``LOOKING``), it returns None when
+    the word still equals the token, else the read's ``LeaseExpiredError``. ``cancel`` gives up a
+    look that is out when the read ends another way. Never waits."""
+
+    def __init__(self, view, request_id: str, token: HoldToken) -> None:
+        self._view, self._request_id, self._token = view, request_id, token
+        self._look: dict | None = {} if isinstance(view, RemoteWordView) else None
+        self._lock = threading.Lock()  # one thread at a time starts or polls the look
+
+    def __call__(self) -> object:
+        if self._look is None:
+            why = self._view.check(self._token)
+        else:
+            if not self._lock.acquire(blocking=False):
+                return LOOKING  # another poller is looking right now
+            try:
+                why = self._view.check(self._token, self._look)
+            finally:
+                self._lock.release()
+            if why is None:
+                return LOOKING
+        return LeaseExpiredError(f"request {self._request_id!r}: {why}") if why else None
+
+    def cancel(self) -> None:
+        if self._look is not None:
+            with self._lock:
+                RemoteWordView.cancel(self._look)

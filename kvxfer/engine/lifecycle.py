@@ -44,6 +44,10 @@ class Phase(enum.Enum):
     QUARANTINED = "quarantined"  # the handle has its error; its parts are not confirmed ended
     RECLAIMED = "reclaimed"      # a quarantined request's parts ended: its blocks are free
 
+    # Members are singletons: hash by identity (C speed) rather than Enum's hash of the name in
+    # Python, since every transition and phase test of every request hashes them.
+    __hash__ = object.__hash__
+
 
 class Event(enum.Enum):
     GRANT = "grant"
@@ -53,6 +57,8 @@ class Event(enum.Enum):
     ENDED = "ended"
     GIVE_UP = "give_up"
     RECLAIM = "reclaim"
+
+    __hash__ = object.__hash__  # as ``Phase``
 
 
 _LIVE = (Phase.RESERVED, Phase.GRANTED, Phase.MOVING, Phase.CLEARED, Phase.MOVED)

@@ -53,11 +53,15 @@ from kvxfer.errors import (
 )
 from kvxfer.types import Direction, MemKind, TransferPath
 
-__all__ = ["Job", "Part", "TransferEngine", "stop_jobs"]
+__all__ = ["LOOKING", "Job", "Part", "TransferEngine", "stop_jobs"]
 
 log = logging.getLogger("kvxfer.engine")
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+#: What a request's ``verify`` returns while its look is still out (a NIXL READ of a hold word on
+#: another host): the engine asks again on the request's next poll, until its deadline.
+LOOKING = object()
 
 
 class Job(Protocol):
@@ -129,9 +133,11 @@ class _Request:
     # claim's answers once they are in, then grants, posts or fails (``advance(block)`` waits at
     # most ``block`` seconds on the peer; the agent's ``ReadStep.advance``). None: a lane does it.
     advance: Callable[[float], object] | None = None
-    # A hold-token read (issue 35): looked at once every part is done, before success; returns the
-    # read's error (the producer's hold ended before the move completed) or None.
-    verify: Callable[[], KvxferError | None] | None = None
+    # A hold-token read (issue 35, granted before it moves): looked at once every part is done,
+    # before success; returns the read's error (the producer's hold ended before the move
+    # completed), None, or LOOKING while the look is out (never waits); ``verify.cancel()``, where
+    # it exists, gives an unfinished look up when the request ends another way.
+    verify: Callable[[], object] | None = None
     stats: TransferStats = field(init=False)
     # Threads launching or posting its parts right now (``posting``, until ``attach``): while any
     # is, the request cannot end (a deadline or a cancel only fails it), so nothing launched can
@@ -179,6 +185,16 @@ class EngineCounts:
     in_flight: int          # requests posted and not yet ended (draining included)
     draining: int           # failed requests whose transfers are not confirmed ended yet
     quarantined_blocks: int  # local blocks of failed requests still not confirmed ended
+
+
+def _give_up_look(req: _Request) -> None:
+    """A request ending another way gives up its look at a hold word, if one is out."""
+    cancel = getattr(req.verify, "cancel", None)
+    if cancel is not None:
+        try:
+            cancel()
+        except Exception:  # noqa: BLE001 - the look's row comes back later or never: no byte of the cache
+            log.debug("request %r: giving up its look failed", req.handle.request_id, exc_info=True)
 
 
 def _watched(req: _Request, groups: dict[int, bool]) -> bool:
@@ -671,6 +687,12 @@ class TransferEngine:
         DONE); a mismatch fails it instead."""
         if req.verify is not None and lifecycle.live(req.phase):
             error = req.verify()  # after every part's DONE: the look that proves the hold covered the move
+            if error is LOOKING:
+                if req.deadline is None or self._clock.now() < req.deadline:
+                    return  # its look is out: the request's next poll asks again
+                error = TransferTimeoutError(
+                    f"request {req.handle.request_id!r}: its bytes moved, but the look at the producer's hold "
+                    "word had not come back when its deadline passed (the hold is not proven)")
             if error is not None:
                 self._fail(req, error)
                 self._wake()
@@ -711,6 +733,7 @@ class TransferEngine:
         the poster attaches afterwards is confirmed ended before they come back (``attach``,
         the quarantine sweep). The deadline promise holds whatever the backend does."""
         rid = req.handle.request_id
+        _give_up_look(req)
         with self._lock:
             if req.finished:
                 return
@@ -744,6 +767,7 @@ class TransferEngine:
         ended = self._end_parts(req, wait=False)
         if not ended and not force and self._clock.now() < req.drain_until:
             return None
+        _give_up_look(req)
         with self._lock:
             self._requests.pop(req.handle.request_id, None)
             if req.finished:
