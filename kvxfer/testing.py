@@ -29,6 +29,18 @@ __all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "Prod
            "free_port_block", "logical_kv", "run_reporting", "serve_commands", "wait_for"]
 
 
+def spin_python(seconds: float) -> int:
+    """Keep this thread busy in Python for ``seconds`` (no sleep, no C call that lets go of the
+    interpreter): a serving engine's busy main thread, which kvxfer's own threads must win the
+    interpreter from. Returns a number so that the loop is not optimised away."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(200):
+            x += i
+    return x
+
+
 def wait_for(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 0.005) -> bool:
     """Poll ``pred`` every ``interval`` seconds until it holds (True) or ``timeout`` seconds pass
     (then its last answer): for tests waiting on another thread or process."""

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.methods import _DEADLINE, _loop, spin
+from kvxfer.bench.methods import _DEADLINE, _loop
+from kvxfer.testing import spin_python as spin
 from kvxfer.errors import TransferFailedError, TransferTimeoutError
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]

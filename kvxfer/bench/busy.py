@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.layout.spec import KVSpec
+from kvxfer.testing import spin_python
 
 __all__ = ["run_busy"]
 
@@ -41,15 +42,6 @@ SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks
 PERIOD = 0.008   # the producer's busy/idle cycle
 STEP = 0.004     # the stepping consumer's Python per step
 BLOCKS = 4
-
-
-def _spin(seconds: float) -> None:
-    """Run Python (not a sleep, not a C call that drops the interpreter) for ``seconds``."""
-    end = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < end:
-        for i in range(200):
-            x += i
 
 
 def _cache(spec: KVSpec, seed: int) -> list[np.ndarray]:
@@ -92,7 +84,7 @@ def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None
                     arg = [t[:, list(arg)].copy() for t in cache]
                 out.put(arg)
             if duty:
-                _spin(PERIOD * duty)
+                spin_python(PERIOD * duty)
                 if duty < 1:
                     time.sleep(PERIOD * (1 - duty))
             agent.finished()  # the engine drains its reports once per turn
@@ -262,7 +254,7 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
                              f"p50 {rows[-1]['p50_ms']:.3f} ms, p90 {rows[-1]['p90_ms']:.3f} ms")
             ask(("duty", 0.0))
             for name, fn in methods:
-                got = [fn(lambda: _spin(STEP)) for _ in range(reads)]
+                got = [fn(lambda: spin_python(STEP)) for _ in range(reads)]
                 steps = [s for _, s in got]
                 rows.append({"case": f"consumer steps {STEP * 1e3:.0f} ms", "method": name,
                              "p50_ms": _pct([t for t, _ in got], 50) * 1e3,

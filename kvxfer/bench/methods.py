@@ -28,6 +28,7 @@ import numpy as np
 from kvxfer.backend.base import descs
 from kvxfer.bench.links import PeerLink
 from kvxfer.errors import TransferFailedError, TransferTimeoutError
+from kvxfer.testing import spin_python as spin
 from kvxfer.types import Direction, MemKind, XferState
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER", "peer_copy"]
@@ -367,15 +368,6 @@ def drive(w, options: dict | None = None) -> dict:
             polls += 1
             time.sleep(0)
     return {"polls": polls}
-
-
-def spin(seconds: float) -> None:
-    """Run Python (not a sleep, not a C call that drops the interpreter) for ``seconds``."""
-    end = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < end:
-        for i in range(200):
-            x += i
 
 
 CONSUMER: dict[str, Callable[..., dict]] = {

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KvxferError, KVSpec
-from kvxfer.testing import ProducerProcess, free_port_block
+from kvxfer.testing import ProducerProcess, free_port_block, spin_python
 
 #: The value a reusing engine writes into blocks it got back.
 REUSED = 0xDEAD
@@ -139,12 +139,7 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
     if op == "freed":
         return list(engine.freed)
     if op == "spin":
-        end = time.perf_counter() + args[0]
-        x = 0
-        while time.perf_counter() < end:
-            for i in range(200):
-                x += i
-        return x
+        return spin_python(args[0])
     if op == "status":
         return agent.status(args[0]).value
     if op == "die_after_grant":

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvxfer import AbortedError, KVSpec, ReadRequest
-from kvxfer.testing import free_port_block
+from kvxfer.testing import free_port_block, spin_python
 
 from chaos_peers import BIG, Peer, blocks_of, consumer, fill, freeze, idle, wait_until
 
@@ -33,14 +33,6 @@ def _stats(agent) -> dict:
     import dataclasses
 
     return dataclasses.asdict(agent.stats())
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < end:
-        for i in range(200):
-            x += i
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +86,12 @@ def test_a_consumer_that_steps_and_polls_sees_every_read_exact(producer):
             handles = agent.read_many([ReadRequest(producer.address, dst[i], src[i], f"step{i}", timeout=10)
                                        for i in batch])
             pending.update(zip(batch, handles))
-            _spin(0.004)
+            spin_python(0.004)
             agent.poll()
             pending = {i: h for i, h in pending.items() if not h.done()}
         deadline = time.monotonic() + 15
         while pending and time.monotonic() < deadline:  # the engine keeps stepping until all are in
-            _spin(0.004)
+            spin_python(0.004)
             agent.poll()
             pending = {i: h for i, h in pending.items() if not h.done()}
         assert not pending, f"reads not done after 15 s of steps: {sorted(pending)}"
