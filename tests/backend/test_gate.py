@@ -24,7 +24,7 @@ def test_data_calls_overlap_and_control_waits_for_them():
     a = _enter_in_thread(gate.data, a_in, leave)
     b = _enter_in_thread(gate.data, b_in, leave)
     assert a_in.wait(5) and b_in.wait(5)  # two data calls inside at once
-    c = _enter_in_thread(gate.control, c_in, threading.Event())
+    c = _enter_in_thread(gate.control, c_in, leave)
     assert not c_in.wait(0.2)  # the control call waits while data calls are inside
     leave.set()
     assert c_in.wait(5)
@@ -69,7 +69,7 @@ def test_without_shared_mode_data_calls_run_one_at_a_time():
     a_in, b_in, leave = threading.Event(), threading.Event(), threading.Event()
     a = _enter_in_thread(gate.data, a_in, leave)
     assert a_in.wait(5)
-    b = _enter_in_thread(gate.data, b_in, threading.Event())
+    b = _enter_in_thread(gate.data, b_in, leave)
     assert not b_in.wait(0.2)
     leave.set()
     assert b_in.wait(5)

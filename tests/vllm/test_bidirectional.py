@@ -39,7 +39,7 @@ def pair(tiny_model, vllm_logs):
         yield p, d
 
 
-@pytest.mark.parametrize("first_len, new_len", [(45, 20), (300, 37)])
+@pytest.mark.parametrize("first_len, new_len", [(45, 20), pytest.param(300, 37, marks=pytest.mark.slow)])
 def test_the_second_turn_reads_the_first_back_from_the_decode_instance(pair, first_len, new_len):
     p, d = pair
     pc, dc = p.client(), d.client()

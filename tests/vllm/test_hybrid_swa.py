@@ -143,6 +143,7 @@ def _bytes_moved(client, metric: str, count_before: float, requests: int) -> flo
     return client.metric(metric + "_sum")
 
 
+@pytest.mark.slow  # a measurement: starts vLLM's stock NixlConnector pair too (~3 min); `make test-slow`
 def test_bytes_per_request_against_stock_nixl(pair, gemma3, vllm_logs):
     """The same prompts through vLLM's own NixlConnector (HMA on, its sliding group clipped to its
     window too) and through KvxferConnector: kvxfer moves equal or fewer bytes, and both answer as
