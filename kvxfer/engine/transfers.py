@@ -351,6 +351,7 @@ class TransferEngine:
         """Post the parts not running yet with no lock held, then attach every part."""
         with self.posting([req]) as live:
             if live:
+                posted_at = time.perf_counter()  # the move may run inside the post (UCX over TCP, warm)
                 try:
                     for part in parts:
                         self._post(req, part)
@@ -361,7 +362,7 @@ class TransferEngine:
                     stop_jobs([p.job for p in running], self._clock, self._grace)
                     self._attach_running(req, running, mode, setup_seconds, group)
                     return False
-                return self._attach_running(req, parts, mode, setup_seconds, group)
+                return self._attach_running(req, parts, mode, setup_seconds, group, since=posted_at)
         # Failed or ended before its post: nothing more goes out; what already runs is attached
         # so that the request ends only with it.
         running = [p for p in parts if p.job is not None]
@@ -370,8 +371,9 @@ class TransferEngine:
         return False
 
     def _attach_running(self, req: "_Request", parts: list[Part], mode: TransferPath, setup_seconds: float,
-                        group: list | None) -> bool:
-        """Attach ``parts``, every one running; False if the request had ended (or was abandoned)."""
+                        group: list | None, since: float | None = None) -> bool:
+        """Attach ``parts``, every one running; False if the request had ended (or was abandoned).
+        ``since``: when this engine began posting them (the request's ``seconds`` run from there)."""
         with req.lock:
             if req.phase is Phase.QUARANTINED:
                 # Its deadline passed while this poster was still posting (``_abandon``): what it
@@ -387,7 +389,8 @@ class TransferEngine:
                 return False
             req.parts = list(parts)
             req.group = group
-            req.started = time.perf_counter()  # ``seconds`` runs from the post (``setup_seconds`` before it)
+            # ``seconds`` runs from the post (``setup_seconds`` before it)
+            req.started = since if since is not None else time.perf_counter()
             req.mode = req.stats.mode = mode
             req.count_parts()
             req.stats.setup_seconds = setup_seconds
