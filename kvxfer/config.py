@@ -13,7 +13,8 @@ from kvxfer.errors import ConfigError
 from kvxfer.types import TransferPath
 
 __all__ = ["AgentConfig", "DEFAULT_LEASE_TIMEOUT", "PROGRESS_THREAD_MIN_CORES", "TRANSFER_PATHS", "check_count",
-           "check_flag", "check_port", "check_seconds", "parse_flag", "parse_seconds", "progress_thread_wanted"]
+           "check_flag", "check_port", "check_seconds", "parse_flag", "parse_seconds", "progress_delay_wanted",
+           "progress_thread_wanted"]
 
 #: Ways ``Agent.read`` may move a request (see ``AgentConfig.transfer_path``).
 TRANSFER_PATHS = ("auto", "ipc", "staged", "direct")
@@ -122,21 +123,34 @@ def _env_float(name: str) -> float | None:
     return None if raw is None or raw == "" else parse_seconds(raw, name)
 
 
-#: ``nixl_progress_thread=None`` (auto) runs NIXL's busy-polling progress thread only where the
-#: process may use at least this many cores.
+#: ``nixl_progress_delay_us=None`` (auto) lets NIXL's progress thread spin (NIXL's own way) only
+#: where the process may use at least this many cores.
 PROGRESS_THREAD_MIN_CORES = 8
+#: Below that, the thread waits in ``poll()`` on its UCX workers' event fds between rounds, for
+#: at most this long (NIXL rounds it up to whole milliseconds): idle it takes ~1% of a core
+#: instead of a whole one, and it still wakes as soon as UCX has work (docs/benchmarks.md).
+PROGRESS_DELAY_US = 1000
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def progress_thread_wanted(setting: bool | None) -> bool:
-    """Whether an agent runs NIXL's progress thread: ``setting`` itself, or for ``None`` (auto)
-    whether this process may use ``PROGRESS_THREAD_MIN_CORES`` cores or more."""
+    """Whether an agent runs NIXL's progress thread: ``setting`` itself; ``None`` (auto): yes."""
+    return True if setting is None else setting
+
+
+def progress_delay_wanted(setting: int | None) -> int:
+    """Microseconds NIXL's progress thread may wait between rounds: ``setting`` itself; ``None``
+    (auto): 0 (spin) where this process may use ``PROGRESS_THREAD_MIN_CORES`` cores or more,
+    ``PROGRESS_DELAY_US`` below."""
     if setting is not None:
         return setting
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    return cores >= PROGRESS_THREAD_MIN_CORES
+    return 0 if _cores() >= PROGRESS_THREAD_MIN_CORES else PROGRESS_DELAY_US
 
 
 @dataclass(frozen=True)
@@ -169,13 +183,18 @@ class AgentConfig:
         pipeline_slot_bytes, pipeline_slots: the staged pipeline's registered staging area
             (``slots`` x ``slot_bytes``; one piece moves as one descriptor of at most a slot).
         nixl_progress_thread: run NIXL's own progress thread (env ``KVXFER_NIXL_PROGRESS_THREAD``,
-            ``0``/``1``/``auto``). NIXL 1.5 polls in that thread without sleeping, so each agent
-            keeps one core busy even when idle. ``None`` (``auto``, the default): on where this
-            process may use at least ``PROGRESS_THREAD_MIN_CORES`` cores, off below (on a 2-core
-            host the spinning threads took most of the CPU the transfers needed: docs/benchmarks.md,
-            "NIXL's progress thread"). Off, the agent's progress loop drives UCX: it polls without
-            pause while its own transfers are in flight, and a producer polls every 1 ms while it
-            holds blocks, which serves transports that need the target to progress, such as TCP.
+            ``0``/``1``/``auto``; ``None``, the default, is on). It progresses UCX without the
+            Python interpreter, so a producer whose engine thread is busy in Python still serves
+            reads over transports that need the target's progress (TCP). Off, the agent's
+            progress loop drives UCX: it polls without pause while its own transfers are in
+            flight, and a producer polls every 1 ms while it holds blocks.
+        nixl_progress_delay_us: how long that thread may wait in ``poll()`` for UCX events between
+            rounds (env ``KVXFER_NIXL_PROGRESS_DELAY_US``; NIXL rounds it up to whole ms). ``0``
+            spins, as NIXL does by itself: one core busy per agent even when idle. ``None``
+            (auto, the default): 0 where this process may use at least
+            ``PROGRESS_THREAD_MIN_CORES`` (8) cores, ``PROGRESS_DELAY_US`` (1 ms) below (on a 2-core
+            host spinning threads took the CPU the transfers needed: docs/benchmarks.md, "NIXL's
+            progress thread").
         metrics_port: serve Prometheus metrics over HTTP from this base port (env ``KVXFER_METRICS_PORT``;
             ``None``, the default: no metrics; ``0``: a free port, read it from ``Agent.metrics_address``).
             Like the side channel, TP rank r of DP rank d serves on ``base + d * tp_size + r``.
@@ -210,6 +229,7 @@ class AgentConfig:
     pipeline_slot_bytes: int = 16 << 20
     pipeline_slots: int = 8
     nixl_progress_thread: bool | None = None
+    nixl_progress_delay_us: int | None = None
     metrics_port: int | None = None
     express_port: int | None = 0
     num_threads: int = 0
@@ -256,6 +276,9 @@ class AgentConfig:
         if self.nixl_progress_thread is not None and not isinstance(self.nixl_progress_thread, bool):
             raise ConfigError(f"nixl_progress_thread must be True, False or None (auto); "
                               f"got {self.nixl_progress_thread!r}")
+        if self.nixl_progress_delay_us is not None:
+            set_("nixl_progress_delay_us", check_count(self.nixl_progress_delay_us, "nixl_progress_delay_us",
+                                                       0, 10_000_000))
         for name in ("metrics_port", "express_port"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, str) or not isinstance(value, numbers.Integral)
@@ -289,6 +312,12 @@ class AgentConfig:
             if flag not in ("0", "1", "true", "false", "on", "off", "auto"):
                 raise ConfigError(f"KVXFER_NIXL_PROGRESS_THREAD must be 0, 1 or auto; got {thread!r}")
             values["nixl_progress_thread"] = None if flag == "auto" else flag in ("1", "true", "on")
+        delay = os.environ.get("KVXFER_NIXL_PROGRESS_DELAY_US")
+        if delay and delay.strip() and delay.strip().lower() != "auto":
+            if not delay.strip().isdigit():
+                raise ConfigError(f"KVXFER_NIXL_PROGRESS_DELAY_US must be a whole number of microseconds "
+                                  f"or auto; got {delay!r}")
+            values["nixl_progress_delay_us"] = int(delay)
         interval = os.environ.get("KVXFER_PROGRESS_INTERVAL")
         if interval and interval.strip():
             try:

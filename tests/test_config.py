@@ -5,7 +5,8 @@ import os
 import pytest
 
 from kvxfer import AgentConfig, ConfigError
-from kvxfer.config import PROGRESS_THREAD_MIN_CORES, parse_seconds, progress_thread_wanted
+from kvxfer.config import (PROGRESS_DELAY_US, PROGRESS_THREAD_MIN_CORES, parse_seconds, progress_delay_wanted,
+                           progress_thread_wanted)
 
 
 @pytest.mark.parametrize("raw,want", [("0", False), ("off", False), ("1", True), ("True", True), ("auto", None)])
@@ -25,13 +26,29 @@ def test_nixl_progress_thread_defaults_to_auto_and_rejects_junk(monkeypatch):
         AgentConfig(nixl_progress_thread="yes")
 
 
-@pytest.mark.parametrize("cores,want", [(1, False), (2, False), (PROGRESS_THREAD_MIN_CORES - 1, False),
-                                        (PROGRESS_THREAD_MIN_CORES, True), (64, True)])
-def test_auto_runs_the_progress_thread_only_with_enough_cores(monkeypatch, cores, want):
-    """Auto counts the cores this process may run on (its affinity, not the machine's)."""
+@pytest.mark.parametrize("cores,want", [(1, PROGRESS_DELAY_US), (2, PROGRESS_DELAY_US),
+                                        (PROGRESS_THREAD_MIN_CORES - 1, PROGRESS_DELAY_US),
+                                        (PROGRESS_THREAD_MIN_CORES, 0), (64, 0)])
+def test_auto_lets_the_progress_thread_spin_only_with_enough_cores(monkeypatch, cores, want):
+    """Auto runs the thread everywhere; it counts the cores this process may run on (its
+    affinity, not the machine's) to choose between spinning and waiting for UCX's events."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert progress_thread_wanted(None) is want
+    assert progress_thread_wanted(None) is True
     assert progress_thread_wanted(True) is True and progress_thread_wanted(False) is False
+    assert progress_delay_wanted(None) == want
+    assert progress_delay_wanted(0) == 0 and progress_delay_wanted(5000) == 5000
+
+
+def test_progress_delay_from_env_and_its_errors(monkeypatch):
+    monkeypatch.setenv("KVXFER_NIXL_PROGRESS_DELAY_US", "250")
+    assert AgentConfig.from_env().nixl_progress_delay_us == 250
+    monkeypatch.setenv("KVXFER_NIXL_PROGRESS_DELAY_US", "auto")
+    assert AgentConfig.from_env().nixl_progress_delay_us is None
+    monkeypatch.setenv("KVXFER_NIXL_PROGRESS_DELAY_US", "1ms")
+    with pytest.raises(ConfigError, match="KVXFER_NIXL_PROGRESS_DELAY_US must be a whole number of microseconds or auto; got '1ms'"):
+        AgentConfig.from_env()
+    with pytest.raises(ConfigError, match="nixl_progress_delay_us"):
+        AgentConfig(nixl_progress_delay_us=-1)
 
 
 @pytest.mark.parametrize("raw,want", [("9100", 9100), (" 0 ", 0), ("", None)])

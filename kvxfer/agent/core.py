@@ -36,7 +36,8 @@ from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
-from kvxfer.config import AgentConfig, check_count, check_flag as flag, progress_thread_wanted
+from kvxfer.config import (AgentConfig, check_count, check_flag as flag, progress_delay_wanted,
+                           progress_thread_wanted)
 from kvxfer.engine.handles import TransferHandle
 from kvxfer.engine.holdwords import HoldWords
 from kvxfer.engine.leases import LeaseTable
@@ -112,10 +113,11 @@ class Agent:
             from kvxfer.backend.nixl import NixlBackend  # lazy: only this module of the agent needs nixl
 
             thread = progress_thread_wanted(self.config.nixl_progress_thread)
-            log.info("agent %s: NIXL progress thread %s%s", self.engine_id, "on" if thread else "off",
-                     " (auto: by this process's cores)" if self.config.nixl_progress_thread is None else "")
+            delay = progress_delay_wanted(self.config.nixl_progress_delay_us) if thread else 0
+            log.info("agent %s: NIXL progress thread %s", self.engine_id,
+                     ("spinning" if not delay else f"waiting up to {delay} us for UCX events") if thread else "off")
             backend = NixlBackend(f"{self.engine_id}", self.config.backends, self.config.num_threads,
-                                  progress_thread=thread)
+                                  progress_thread=thread, progress_delay_us=delay)
         self._parts = parts = AgentParts(spec, self.config, self.engine_id, clock, backend)
         # hooks look the Agent's method up at each call (an instance may replace one)
         parts.check_open = lambda: self._check_open()

@@ -92,6 +92,37 @@ def load_nixl_api() -> Any:
     raise BackendError("NIXL is not importable; tried " + "; ".join(failures))
 
 
+_CONFIG_SWAP = threading.Lock()
+
+
+def _new_agent(api: Any, name: str, config: Any, delay_us: int) -> Any:
+    """``api.nixl_agent(name, config)`` whose progress thread sleeps in ``poll()`` for up to
+    ``delay_us`` (rounded up to whole ms by NIXL) between rounds instead of spinning.
+
+    NIXL's UCX progress thread progresses its workers, arms them and polls their event fds with a
+    timeout of the agent config's ``pthrDelay``; NIXL's Python API sets that to 0 (a busy loop
+    taking a whole core) and offers no knob. Here the config class the API instantiates is
+    swapped, for this one call, for a subclass that keeps ``pthrDelay`` at ``delay_us``. A NIXL
+    whose Python API builds its config otherwise gets NIXL's own behaviour (``delay_us`` ignored).
+    """
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    field = vars(base).get("pthrDelay") if isinstance(base, type) else None
+    if not delay_us or field is None:
+        return api.nixl_agent(name, config)
+
+    class _Delayed(base):  # type: ignore[misc, valid-type]
+        pthrDelay = property(lambda self: field.__get__(self, base),
+                             lambda self, _ignored: field.__set__(self, int(delay_us)))
+
+    with _CONFIG_SWAP:
+        bind.nixlAgentConfig = _Delayed
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = base
+
+
 class _Boundary:
     """The one place NIXL failures become kvxfer errors.
 
@@ -161,7 +192,7 @@ class NixlBackend:
     """
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",), num_threads: int = 0,
-                 progress_thread: bool = True) -> None:
+                 progress_thread: bool = True, progress_delay_us: int = 0) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"agent name must be a non-empty str; got {name!r}")
         if isinstance(backends, str):
@@ -174,7 +205,10 @@ class NixlBackend:
         self.name = name
         self.backends = backends
         self.num_threads = num_threads
+        if not isinstance(progress_delay_us, int) or progress_delay_us < 0:
+            raise ConfigError(f"progress_delay_us must be an int >= 0; got {progress_delay_us!r}")
         self.progress_thread = bool(progress_thread)
+        self.progress_delay_us = progress_delay_us
         self._nx = _Boundary(name)
         # UCX reads its environment when the agent below creates its context: fill kvxfer's TCP
         # defaults first (only variables the user left unset; see backend/ucx_env.py).
@@ -189,7 +223,8 @@ class NixlBackend:
         config = self._nx.call("agent config",
                                lambda: api.nixl_agent_config(enable_prog_thread=bool(progress_thread),
                                                              backends=[], num_threads=num_threads, **extra))
-        self._agent = self._nx.call(f"creating agent {name!r}", api.nixl_agent, name, config)
+        self._agent = self._nx.call(f"creating agent {name!r}", _new_agent, api, name, config,
+                                    self.progress_delay_us if self.progress_thread else 0)
         available = list(self._nx.call("get_plugin_list", self._agent.get_plugin_list))
         unknown = [b for b in backends if b not in available]
         if unknown:

@@ -14,9 +14,11 @@ not wait for it. Two processes on one host (host memory, UCX's defaults), a cach
 * **raw NIXL** in the same run, as stock vLLM's connector uses it: the same descriptors (one per
   layer x K/V x block), lists prepared once, one READ posted and polled with NIXL's state check by
   the engine's own thread, NIXL's progress thread on in both processes (as vLLM creates its NIXL
-  agents); no side channel, no producer CPU, and no protection against reused blocks. kvxfer's
-  agents run with their defaults (``AgentConfig()``: on a host of fewer than 8 cores, without
-  NIXL's progress thread).
+  agents; it waits for UCX's events between rounds exactly as kvxfer's agents' thread does, see
+  ``AgentConfig.nixl_progress_delay_us``); no side channel, no producer CPU, and no protection
+  against reused blocks. kvxfer's agents run with their defaults (``AgentConfig()``: NIXL's
+  progress thread on; on a host of fewer than 8 cores it waits for UCX's events, up to 1 ms,
+  instead of spinning).
 
 Every read is checked byte for byte. The reads go to a producer the consumer has already read
 from (warm): first contact is ``kvxfer bench --two-hosts``'s rows.
@@ -61,7 +63,7 @@ def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None
     with Agent("busy-producer", spec, config) as agent:
         agent.register(cache)
         agent.listen()
-        raw = NixlBackend("busy-raw-producer", progress_thread=True)  # as stock vLLM's agents run
+        raw = NixlBackend("busy-raw-producer", progress_thread=True, progress_delay_us=_raw_delay())
         raw.register(_regions(agent))
         out.put((agent.address, raw.metadata(), agent.cache.geometry.bases.tolist()))
         duty = 0.0
@@ -91,6 +93,15 @@ def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None
         raw.close()
 
 
+def _raw_delay() -> int:
+    """The raw agents' progress thread waits for UCX's events exactly as kvxfer's agents' do
+    (``nixl_progress_delay_us``, auto): stock vLLM's spinning thread would, on a small host, take
+    the core the kvxfer rows run on for the whole run."""
+    from kvxfer.config import AgentConfig, progress_delay_wanted  # noqa: PLC0415
+
+    return progress_delay_wanted(AgentConfig.from_env().nixl_progress_delay_us)
+
+
 def _regions(agent) -> list:
     from kvxfer.types import Region  # noqa: PLC0415
 
@@ -106,7 +117,7 @@ class _Raw:
         from kvxfer.backend.nixl import NixlBackend  # noqa: PLC0415
 
         spec, geo = agent.spec, agent.cache.geometry
-        self.backend = NixlBackend("busy-raw-consumer", progress_thread=True)
+        self.backend = NixlBackend("busy-raw-consumer", progress_thread=True, progress_delay_us=_raw_delay())
         self.backend.register(_regions(agent))
         self.peer = self.backend.add_peer(meta)
         self.kind = geo.kind

@@ -73,10 +73,12 @@ class Worker:
         # (KVXFER_NIXL_PROGRESS_THREAD, default auto): an extra agent spinning beside the one
         # measured would tax only the other side of each ratio. Without the thread, a producer
         # polls its agent while a raw method is measured (``drive``), as a kvxfer producer does.
-        from kvxfer.config import AgentConfig, progress_thread_wanted  # noqa: PLC0415
+        from kvxfer.config import AgentConfig, progress_delay_wanted, progress_thread_wanted  # noqa: PLC0415
 
-        thread = progress_thread_wanted(AgentConfig.from_env().nixl_progress_thread)
-        self.backend = NixlBackend(name, progress_thread=thread)
+        env = AgentConfig.from_env()
+        thread = progress_thread_wanted(env.nixl_progress_thread)
+        self.backend = NixlBackend(name, progress_thread=thread,
+                                   progress_delay_us=progress_delay_wanted(env.nixl_progress_delay_us) if thread else 0)
         self.mailbox = Mailbox(self.backend)
         self.cache = make_cache(spec, device)
         fill_random(self.cache, seed)

@@ -286,3 +286,38 @@ def test_progress_thread_option_starts_nixls_thread_or_not():
     finally:
         for agent in agents:
             agent.close()
+
+
+def _new_threads_cpu(make, seconds: float = 1.0) -> float:
+    """Cores' worth of CPU taken, while idle for ``seconds``, by the threads ``make()`` starts."""
+    import os
+
+    def ticks(tids) -> int:
+        total = 0
+        for tid in tids:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        return total
+
+    NixlBackend("warm-ucx", progress_thread=False).close()  # process-wide UCX threads start here
+    before = set(os.listdir("/proc/self/task"))
+    backend = make()
+    try:
+        new = set(os.listdir("/proc/self/task")) - before
+        assert new, "the backend started no thread"
+        start = ticks(new)
+        time.sleep(seconds)
+        return (ticks(new) - start) / os.sysconf("SC_CLK_TCK") / seconds
+    finally:
+        backend.close()
+
+
+def test_a_progress_thread_with_a_delay_waits_for_events_instead_of_spinning():
+    """NIXL's Python API always makes its progress thread spin (a core per agent); kvxfer's
+    ``progress_delay_us`` makes it sleep in poll() until UCX has work (config: auto on < 8 cores)."""
+    spinning = _new_threads_cpu(lambda: NixlBackend("spins", progress_thread=True))
+    waiting = _new_threads_cpu(lambda: NixlBackend("waits", progress_thread=True, progress_delay_us=1000))
+    assert waiting < 0.1 < 0.3 < spinning, (spinning, waiting)
+    with pytest.raises(ConfigError, match="progress_delay_us must be an int >= 0; got -1"):
+        NixlBackend("bad", progress_delay_us=-1)

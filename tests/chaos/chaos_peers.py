@@ -15,12 +15,16 @@ driven by tuple commands, whose engine *reuses* blocks the moment ``finished()``
 * ``("status", rid)``: ``Agent.status(rid)``'s value;
 * ``("spin", seconds)``: the main thread (the engine) runs Python for ``seconds`` before it answers
   (a busy engine thread: kvxfer's threads must win the interpreter from it);
+* ``("seize", seconds, marker)``: C code holds this process's interpreter (the GIL) for whole
+  ``seconds``, so none of its Python threads runs, kvxfer's included; ``marker`` (a path) is
+  written at its start; answers (start, end) in ``time.time()``;
 * ``("die_after_grant", delay)``: from now on, the process SIGKILLs itself ``delay`` seconds after it
   first answers a claim with a grant (a producer that dies between the grant and the read's move).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 import time
@@ -140,6 +144,8 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
         return list(engine.freed)
     if op == "spin":
         return spin_python(args[0])
+    if op == "seize":
+        return _seize(*args)
     if op == "status":
         return agent.status(args[0]).value
     if op == "die_after_grant":
@@ -159,6 +165,16 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
             return type(exc).__name__
         return "ok"
     raise ValueError(f"unknown command {what!r}")
+
+
+def _seize(seconds: int, marker: str) -> tuple[float, float]:
+    """Sleep in libc through ``PyDLL`` (whose calls keep the GIL): no Python runs here meanwhile."""
+    libc = ctypes.PyDLL(None)
+    start = time.time()
+    with open(marker, "w") as f:
+        f.write("seized")
+    libc.sleep(ctypes.c_uint(int(seconds)))
+    return start, time.time()
 
 
 def _die_after_grant(agent: Agent, delay: float) -> None:

@@ -11,6 +11,8 @@ from conftest import BLOCK_SIZE
 from vllm_harness import Client, prefill, prompt_of, route_pd, run_concurrently
 
 MAX_TOKENS = 12
+#: Prompt lengths of the concurrent batch: within one block, across a boundary, many blocks.
+CONCURRENT_PROMPTS = (5, 33, 64, 97, 150, 260)
 #: vLLM's counter of prompt tokens a KV connector supplied.
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 #: vLLM's counter of prompt tokens found in the local prefix cache.
@@ -72,7 +74,7 @@ class PDContract:
 
     def test_concurrent_requests(self, pair):
         p, d = pair
-        prompts = [prompt_of(n, seed=40 + i) for i, n in enumerate((5, 33, 64, 97, 150, 260))]
+        prompts = [prompt_of(n, seed=40 + i) for i, n in enumerate(CONCURRENT_PROMPTS)]
         refs = [reference(p, x) for x in prompts]
         got = run_concurrently(lambda x: route_pd(p, d, x, MAX_TOKENS).token_ids, prompts)
         assert got == refs
