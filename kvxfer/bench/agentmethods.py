@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.methods import _DEADLINE, _loop
+from kvxfer.bench.methods import DEADLINE, timed_loop
 from kvxfer.testing import spin_python as spin
 from kvxfer.errors import TransferFailedError, TransferTimeoutError
 
@@ -66,9 +66,9 @@ def submit_step(ag, remote, local: list, remote_ids: list, rids: list[str], toke
         from kvxfer import ReadRequest  # noqa: PLC0415 - the batch API's request type
 
         tokens = tokens or [None] * len(rids)
-        return ag.read_many([ReadRequest(remote, lb, rb, rid, timeout=_DEADLINE, token=tok)
+        return ag.read_many([ReadRequest(remote, lb, rb, rid, timeout=DEADLINE, token=tok)
                              for lb, rb, rid, tok in zip(local, remote_ids, rids, tokens)])
-    return [ag.read(remote, lb, rb, rid, timeout=_DEADLINE) for lb, rb, rid in zip(local, remote_ids, rids)]
+    return [ag.read(remote, lb, rb, rid, timeout=DEADLINE) for lb, rb, rid in zip(local, remote_ids, rids)]
 
 
 def agent(w, requests, tokens, iters, warmup, options):
@@ -101,7 +101,7 @@ def agent(w, requests, tokens, iters, warmup, options):
         rids = _step_rids(options, it)
         tokens = [HoldToken.from_wire(held[rid]) for rid in rids] if held is not None else None
         handles = submit_step(ag, remote, local_ids, remote_ids, rids, tokens)
-        all_stats = [h.wait(_DEADLINE) for h in handles]
+        all_stats = [h.wait(DEADLINE) for h in handles]
         w._sync()
         seconds = time.perf_counter() - t0
         for stats in all_stats:
@@ -114,7 +114,7 @@ def agent(w, requests, tokens, iters, warmup, options):
         posted_vs_wall.append(all_stats[-1].seconds / seconds)
         return seconds
 
-    result = _loop(w, iters, warmup, body)
+    result = timed_loop(w, iters, warmup, body)
     result["modes"] = sorted(modes) + (["by token"] if by_token and all(by_token) else [])
     result["api"] = "read_many" if hasattr(ag, "read_many") else ("read x N" if batch > 1 else "read")
     # medians (warm-up included): before the post (ids, path, claims, tables, launch) and after it
@@ -169,7 +169,7 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
     """Producer half of ``kvxfer-agent`` (after ``hold_agent``): wait until every request was read."""
     ag = _bench_agent(w, options, options["port"], listen=True)
     rids = _agent_rids(options, rounds)
-    deadline = time.monotonic() + _DEADLINE * 2
+    deadline = time.monotonic() + DEADLINE * 2
     while any(ag.holding(rid) for rid in rids):
         if time.monotonic() > deadline:
             raise TransferTimeoutError("kvxfer-agent: the producer still holds requests the consumer read; "

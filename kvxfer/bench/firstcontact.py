@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.bench.agentmethods import _agent_config
-from kvxfer.bench.methods import _DEADLINE, _loop
+from kvxfer.bench.methods import DEADLINE, timed_loop
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
 
@@ -49,7 +49,7 @@ def _rids(options: dict, it: int) -> tuple[str, str]:
 def control_listen(w, consumer, request, tokens, rounds, options):
     """Producer, before ``measure``: listen for the consumer's control connection."""
     server = socket.create_server((options["producer_host"], options["port"] + _CONTROL_PORT_OFFSET))
-    server.settimeout(_DEADLINE)
+    server.settimeout(DEADLINE)
     w.extra["first-contact-control"] = server
     return {"listening": True}
 
@@ -77,7 +77,7 @@ def _serve_restarts(w, request, rounds: int, options: dict, start: int) -> dict:
     port = _free_port(options["producer_host"])
     config = _agent_config(options, port, options["producer_host"], options.get("producer_path"))
     with conn:
-        conn.settimeout(_DEADLINE)
+        conn.settimeout(DEADLINE)
         for it in range(start, rounds):
             agent = Agent(f"{w.name}-gen{it + 1}", w.cache.spec, config)
             try:
@@ -137,7 +137,7 @@ class _Consumer:
             return {"skipped": f"{method} needs one producer rank and two hosts (--two-hosts)"}
         config = _agent_config(options, options["port"] + _CONSUMER_PORT_OFFSET, options["consumer_host"])
         sock = socket.create_connection((options["producer_host"], options["port"] + _CONTROL_PORT_OFFSET),
-                                        timeout=_DEADLINE)
+                                        timeout=DEADLINE)
         return cls(w, options, requests[0]["local_ids"], requests[0]["ids"], config, sock)
 
     def remote(self) -> tuple[str, int]:
@@ -153,7 +153,7 @@ class _Consumer:
         the warm time and the first read's phases."""
         w, first_rid, warm_rid = self.w, *_rids(self.options, it)
         t0 = time.perf_counter()
-        stats = agent.read(remote, self.local_ids, self.remote_ids, first_rid, timeout=_DEADLINE).wait()
+        stats = agent.read(remote, self.local_ids, self.remote_ids, first_rid, timeout=DEADLINE).wait()
         first = time.perf_counter() - t0
         if not w.verify():
             raise AssertionError("the first read did not leave the expected bytes")
@@ -163,7 +163,7 @@ class _Consumer:
                   **{f"handshake_{k}": round(v * 1e3, 1) for k, v in link.timings.items()}}
         w.poison()
         t1 = time.perf_counter()
-        agent.read(remote, self.local_ids, self.remote_ids, warm_rid, timeout=_DEADLINE).wait()
+        agent.read(remote, self.local_ids, self.remote_ids, warm_rid, timeout=DEADLINE).wait()
         if keep:
             self.warm.append(time.perf_counter() - t1)
             self.phases.append(phases)
@@ -200,7 +200,7 @@ def fresh_pair(w, requests, tokens, iters, warmup, options):
             run.done()
 
     try:
-        result = run.summarise(_loop(w, iters, warmup, body))
+        result = run.summarise(timed_loop(w, iters, warmup, body))
     finally:
         run.sock.close()
     result["fresh_ms"] = result["times"][0] * 1e3 if not warmup else None
@@ -230,7 +230,7 @@ def restart(w, requests, tokens, iters, warmup, options):
             finally:
                 run.done()
 
-        return run.summarise(_loop(w, iters, warmup, body))
+        return run.summarise(timed_loop(w, iters, warmup, body))
     finally:
         agent.close()
         run.sock.close()

@@ -33,10 +33,10 @@ from kvxfer.types import Direction, MemKind, XferState
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER", "peer_copy"]
 
-_DEADLINE = 30.0
+DEADLINE = 30.0
 
 
-def _loop(w: Any, iters: int, warmup: int, body: Callable[[int], float], key: str = "native",
+def timed_loop(w: Any, iters: int, warmup: int, body: Callable[[int], float], key: str = "native",
           poison: Callable[[], None] | None = None, verify: Callable[[], bool] | None = None) -> dict:
     times, ok, bad = [], 0, 0
     for it in range(warmup + iters):
@@ -50,7 +50,7 @@ def _loop(w: Any, iters: int, warmup: int, body: Callable[[int], float], key: st
 
 
 def _wait_all(backend: Any, xids: list[int], what: str) -> None:
-    deadline = time.monotonic() + _DEADLINE
+    deadline = time.monotonic() + DEADLINE
     pending = list(xids)
     while pending:
         still = []
@@ -64,7 +64,7 @@ def _wait_all(backend: Any, xids: list[int], what: str) -> None:
                 raise TransferFailedError(f"{what}: transfer failed")
         pending = still
         if time.monotonic() > deadline:
-            raise TransferTimeoutError(f"{what}: not done after {_DEADLINE} s")
+            raise TransferTimeoutError(f"{what}: not done after {DEADLINE} s")
 
 
 def _contiguous(ts: int, hs: int, tokens: int, heads: int) -> bool:
@@ -119,7 +119,7 @@ def nixl_per_block(w, requests, tokens, iters, warmup, options):
         return time.perf_counter() - t0
 
     try:
-        result = _loop(w, iters, warmup, body, key)
+        result = timed_loop(w, iters, warmup, body, key)
     finally:
         for _, lp, rp, _ in posts:
             w.backend.unprepare(lp)
@@ -178,7 +178,7 @@ def nixl_1desc(w, requests, tokens, iters, warmup, options):
         _wait_all(w.backend, xids, "nixl-1desc")
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body, poison=check[0], verify=check[1])
+    result = timed_loop(w, iters, warmup, body, poison=check[0], verify=check[1])
     result["descriptors"] = len(requests)
     return result
 
@@ -216,7 +216,7 @@ def staged(w, requests, tokens, iters, warmup, options, direction: str):
 
     def one(it, i, r):
         info = w.peers[r["name"]]
-        deadline = time.monotonic() + _DEADLINE
+        deadline = time.monotonic() + DEADLINE
         unpack = unpack_pairs(r["spec"], r["ids"], w.cache.spec, w.cache.geometry, r["local_ids"], 0, tokens)
         area = w.area.subset(i * per, per)
         link = PeerLink(w.mailbox, r["name"])
@@ -239,7 +239,7 @@ def staged(w, requests, tokens, iters, warmup, options, direction: str):
         _each(requests, lambda i, r: one(it, i, r))
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body)
+    result = timed_loop(w, iters, warmup, body)
     if traces:
         result["trace_ms"] = traces  # the last iteration's steps, ms after GO, per producer
     return result
@@ -276,7 +276,7 @@ def ipc(w, requests, tokens, iters, warmup, options):
             stream.synchronize()
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body)
+    result = timed_loop(w, iters, warmup, body)
     result["host_ms"] = sorted(host)[len(host) // 2] * 1e3
     return result
 
@@ -317,7 +317,7 @@ def host_copy(w, requests, tokens, iters, warmup, options):
         dst.copy_(src)
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body, poison=lambda: dst.fill_(0xA5),
+    result = timed_loop(w, iters, warmup, body, poison=lambda: dst.fill_(0xA5),
                    verify=lambda: bool(torch.equal(dst, src)))
     result["descriptors"] = 1
     return result
@@ -332,8 +332,8 @@ def serve_staged(w, consumer, request, tokens, rounds, options, direction: str):
     info = w.peers[consumer]
     link = PeerLink(w.mailbox, consumer)
     for _ in range(rounds):
-        it = w.mailbox.wait_go(consumer, time.monotonic() + _DEADLINE)
-        deadline = time.monotonic() + _DEADLINE
+        it = w.mailbox.wait_go(consumer, time.monotonic() + DEADLINE)
+        deadline = time.monotonic() + DEADLINE
         pack = pack_pairs(w.cache.spec, w.cache.geometry, request["ids"], request["consumer_spec"],
                           request["local_ids"], 0, tokens)
         if direction == "read":

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from kvxfer.bench.methods import _loop, block_pairs, link_check
+from kvxfer.bench.methods import timed_loop, block_pairs, link_check
 
 __all__ = ["CONSUMER", "PREPARE", "unavailable_reason"]
 
@@ -128,7 +128,7 @@ def batch(w, requests, tokens, iters, warmup, options):
             _read(te, *read)
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body, options.get("twin") or "native")
+    result = timed_loop(w, iters, warmup, body, options.get("twin") or "native")
     result["descriptors"] = sum(len(r[1]) for r in reads)
     return result
 
@@ -151,7 +151,7 @@ def one_desc(w, requests, tokens, iters, warmup, options):
             _read(te, target, [w.link.data_ptr() + i * share], [w.peers[r["name"]]["link"]], [share])
         return time.perf_counter() - t0
 
-    result = _loop(w, iters, warmup, body, poison=check[0], verify=check[1])
+    result = timed_loop(w, iters, warmup, body, poison=check[0], verify=check[1])
     result["descriptors"] = len(requests)
     return result
 

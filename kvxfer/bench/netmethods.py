@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from kvxfer.bench.agentmethods import _agent_config
-from kvxfer.bench.methods import _DEADLINE, _loop
+from kvxfer.bench.methods import DEADLINE, timed_loop
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
 
@@ -55,7 +55,7 @@ def socket_consumer(w, requests, tokens, iters, warmup, options):
     background = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     view = memoryview(w.link.numpy()).cast("B")[:nbytes]
     sock = socket.create_connection((options["producer_host"], options["port"] + _SOCKET_PORT_OFFSET),
-                                    timeout=_DEADLINE)
+                                    timeout=DEADLINE)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def poison():
@@ -73,7 +73,7 @@ def socket_consumer(w, requests, tokens, iters, warmup, options):
         return time.perf_counter() - t0
 
     try:
-        result = _loop(w, iters, warmup, body, poison=poison,
+        result = timed_loop(w, iters, warmup, body, poison=poison,
                        verify=lambda: bool(torch.equal(w.link[:nbytes], expected)))
     finally:
         sock.close()
@@ -84,7 +84,7 @@ def socket_consumer(w, requests, tokens, iters, warmup, options):
 def socket_listen(w, consumer, request, tokens, rounds, options):
     """Producer, before ``measure``: listen on the producer's address."""
     server = socket.create_server((options["producer_host"], options["port"] + _SOCKET_PORT_OFFSET))
-    server.settimeout(_DEADLINE)
+    server.settimeout(DEADLINE)
     w.extra["tcp-socket"] = server
     return {"listening": True}
 
@@ -99,7 +99,7 @@ def socket_serve(w, consumer, request, tokens, rounds, options):
     finally:
         server.close()
     with conn:
-        conn.settimeout(_DEADLINE)
+        conn.settimeout(DEADLINE)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(rounds):
             if conn.recv(1) != b"g":
@@ -134,19 +134,19 @@ def first_read(w, requests, tokens, iters, warmup, options):
             handshakes.append(time.perf_counter() - t0)
             phases.append({k: round(v * 1e3, 3) for k, v in link.timings.items()})
             t1 = time.perf_counter()
-            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-first", timeout=_DEADLINE).wait()
+            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-first", timeout=DEADLINE).wait()
             first = time.perf_counter() - t1
             if not w.verify():
                 raise AssertionError("the first read did not leave the expected bytes")
             w.poison()
             t2 = time.perf_counter()
-            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-warm", timeout=_DEADLINE).wait()
+            agent.read(remote, local_ids, remote_ids, f"bench-{options['run']}-{it}-warm", timeout=DEADLINE).wait()
             warm.append(time.perf_counter() - t2)
         finally:
             agent.close()
         return first
 
-    result = _loop(w, iters, warmup, body)
+    result = timed_loop(w, iters, warmup, body)
     n = len(result["times"])
     result["handshake_ms"] = statistics.median(handshakes[-n:]) * 1e3
     result["warm_ms"] = statistics.median(warm[-n:]) * 1e3
@@ -188,14 +188,14 @@ def relink(w, requests, tokens, iters, warmup, options):
 
     def body(it):
         t0 = time.perf_counter()
-        agent.read(remote, local_ids, remote_ids, rid(it, "warm")).wait(_DEADLINE)
+        agent.read(remote, local_ids, remote_ids, rid(it, "warm")).wait(DEADLINE)
         warm.append(time.perf_counter() - t0)
         if not w.verify():
             raise AssertionError("the warm read did not leave the expected bytes")
         w.poison()
         _link(device, "down")
         try:
-            agent.read(remote, local_ids, remote_ids, rid(it, "cut"), timeout=_CUT_READ_TIMEOUT_S).wait(_DEADLINE)
+            agent.read(remote, local_ids, remote_ids, rid(it, "cut"), timeout=_CUT_READ_TIMEOUT_S).wait(DEADLINE)
             failed_as.append("none")
         except KvxferError as exc:
             failed_as.append(type(exc).__name__)
@@ -205,7 +205,7 @@ def relink(w, requests, tokens, iters, warmup, options):
         t1 = time.perf_counter()
         for attempt in range(1, 21):
             try:
-                stats = agent.read(remote, local_ids, remote_ids, rid(it, f"after{attempt}")).wait(_DEADLINE)
+                stats = agent.read(remote, local_ids, remote_ids, rid(it, f"after{attempt}")).wait(DEADLINE)
                 break
             except KvxferError:
                 if attempt == 20:
@@ -219,7 +219,7 @@ def relink(w, requests, tokens, iters, warmup, options):
         return seconds
 
     try:
-        result = _loop(w, iters, warmup, body)
+        result = timed_loop(w, iters, warmup, body)
     finally:
         agent.close()
     n = len(result["times"])
@@ -269,7 +269,7 @@ def first_read_serve(w, consumer, request, tokens, rounds, options):
 
     ag = _bench_agent(w, options, options["port"], listen=True)
     rids = _rids(options, rounds)
-    deadline = time.monotonic() + _DEADLINE * 2 * rounds
+    deadline = time.monotonic() + DEADLINE * 2 * rounds
     while any(ag.holding(rid) for rid in rids):
         if time.monotonic() > deadline:
             raise TransferTimeoutError("kvxfer-first-read: the producer still holds requests the consumers read")
