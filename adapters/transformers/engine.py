@@ -53,6 +53,25 @@ def load_model(model_dir: str, dtype: str, device: str) -> Any:
     return model.to(device).eval()
 
 
+def _record_sliding(cache: DynamicCache) -> list[Any]:
+    """Make ``cache``'s sliding-window layers keep every token of the next forward (transformers
+    keeps only the last ``window - 1``: one short of what a decoder that recomputes the last
+    prompt token needs); returns them for ``_trim_sliding``."""
+    layers = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    for layer in layers:
+        layer.activate_past_recording()
+    return layers
+
+
+def _trim_sliding(layers: list[Any]) -> None:
+    """Back to transformers' own sliding cache: the last ``window - 1`` tokens, recording off."""
+    for layer in layers:
+        layer.record_past = False
+        if layer.keys is not None and layer.keys.shape[-2] >= layer.sliding_window:
+            layer.keys = layer.keys[:, :, -layer.sliding_window + 1:, :]
+            layer.values = layer.values[:, :, -layer.sliding_window + 1:, :]
+
+
 class HFEngine:
     """A loaded model, its KV pool and (when transfers are configured) the Agent over it."""
 
@@ -125,8 +144,10 @@ class HFEngine:
         try:
             with self._lock:
                 cache = self._fresh_cache()
+                sliding = _record_sliding(cache)
                 logits = self._forward(prompt, cache)
                 self.pool.store([(layer.keys, layer.values) for layer in cache.layers], blocks, len(prompt))
+                _trim_sliding(sliding)
                 transfers.hold(request_id, blocks)
                 held = True  # from here the Agent owns the blocks; the reaper frees them
                 ids, reason = self._greedy(logits, cache, max_tokens, ignore_eos)
@@ -135,7 +156,7 @@ class HFEngine:
                 self.pool.free(blocks)
             raise
         host, port = transfers.address
-        params = producer_answer(request_id=request_id, block_ids=blocks, engine_id=transfers.engine_id,
+        params = producer_answer(request_id=request_id, block_ids=transfers.hold_ids(blocks), engine_id=transfers.engine_id,
                                  host=host, port=port, tp_size=1, num_tokens=len(prompt),
                                  block_size=self.pool.spec.block_size,
                                  hold_token=transfers.hold_token(request_id))
@@ -170,6 +191,11 @@ class HFEngine:
                                  "transfer_mode": landed.mode})
 
     # ---- helpers ---------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups a producer's ``remote_block_ids`` must list (1 unless hybrid)."""
+        return self.pool.num_groups
+
     def _require_transfers(self) -> Transfers:
         if self.transfers is None:
             raise LoadFailed("this server has no --kv-transfer-config: it cannot prefill for or decode "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvxfer import Agent, HoldToken, KvxferError, ReadRequest, RequestState, WaitTimeout
 
+from kvxfer_transformers.groups import answer_ids, read_ids
 from kvxfer_transformers.params import RemotePrefill
 from kvxfer_transformers.pool import KVPool
 from kvxfer_transformers.settings import ServeSettings
@@ -93,12 +94,12 @@ class Transfers:
                  agent: Agent | None = None) -> None:
         self._pool = pool
         self._settings = settings
-        self._agent = agent if agent is not None else Agent(name, pool.spec, settings.agent_config())
+        self._agent = agent if agent is not None else Agent(name, pool.cache_spec, settings.agent_config())
         self._held: dict[str, list[int]] = {}
         self._quarantined: dict[str, list[int]] = {}  # request id -> its landing blocks kvxfer quarantined
         self._lock = threading.Lock()
         try:
-            self._agent.register(pool.tensors)
+            self._agent.register(pool.agent_tensors())
             self.address = self._agent.listen()
         except BaseException:
             self._agent.close()
@@ -128,11 +129,19 @@ class Transfers:
         token = self._agent.hold_token(request_id)
         return token.wire() if token is not None else None
 
+    def hold_ids(self, blocks: list[int]) -> list[int] | list[list[int]]:
+        """What a prefilled request holds and answers: ``blocks``, or for a hybrid pool one list
+        per group (a sliding group's cut to its window's blocks plus one)."""
+        if self._pool.groups is None:
+            return blocks
+        return answer_ids(self._pool.groups, blocks, self._pool.block_size)
+
     def hold(self, request_id: str, blocks: list[int]) -> None:
         """Keep ``blocks`` (already filled) for a decoder; they return to the pool when it is done
-        or the lease expires. On error the caller still owns the blocks."""
+        or the lease expires. On error the caller still owns the blocks. A hybrid pool holds
+        ``hold_ids(blocks)`` and frees all of ``blocks`` when the hold ends."""
         with self._lock:
-            self._agent.hold(request_id, blocks)
+            self._agent.hold(request_id, self.hold_ids(blocks))
             self._held[request_id] = blocks
 
     def _reap_loop(self) -> None:
@@ -167,6 +176,8 @@ class Transfers:
             LoadFailed: the peer is gone or incompatible, the blocks are no longer held, the
                 pool is full, or the transfer failed or timed out (the kvxfer error is chained).
         """
+        if self._pool.groups is not None:
+            return self._load_groups(remote, prompt_len, timeout)
         landing: list[int] = []
         try:
             peer = self._agent.connect(remote.host, remote.port).spec
@@ -192,6 +203,39 @@ class Transfers:
                                                         remote.request_id, timeout,
                                                         num_tokens=tokens if partial else None, token=token)])[0]
         except KvxferError as exc:  # raised before anything was posted: the landing blocks are clean
+            self._pool.free(landing)
+            raise LoadFailed(f"load of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
+        try:
+            stats = handle.wait(timeout)
+        except KvxferError as exc:
+            self._give_up(remote, landing, handle)
+            raise LoadFailed(f"read of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
+        mode = getattr(stats.mode, "value", stats.mode) or "direct"
+        return Landed(landing, tokens, stats.seconds, stats.num_bytes, str(mode))
+
+    def _load_groups(self, remote: RemotePrefill, prompt_len: int, timeout: float) -> Landed:
+        """``load`` for a hybrid pool: one read of every group (one list each), blocks of this
+        pool's size on both sides; a sliding group moves only the window of the loaded tokens."""
+        bs = self._pool.block_size
+        landing: list[int] = []
+        try:
+            if remote.block_size not in (None, bs):
+                raise LoadFailed(f"the producer's blocks hold {remote.block_size} tokens; a hybrid cache moves "
+                                 f"between blocks of one size and this pool's hold {bs} (--block-size "
+                                 f"{remote.block_size})")
+            full = next(i for i, g in enumerate(self._pool.groups) if g.kind == "full")
+            held = min(remote.tokens_available(prompt_len), len(remote.groups[full]) * bs)
+            tokens = max(0, min(held, prompt_len - 1))
+            if tokens == 0:
+                self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
+                return Landed([], 0)
+            landing = self._pool.allocate(-(-tokens // bs), timeout=timeout)
+            local_ids, remote_ids = read_ids(self._pool.groups, remote.groups, remote.tokens_available(prompt_len),
+                                             landing, tokens, bs)
+            # no hold token: it proves a hold of the ids as held, and the window cut reads fewer (claims)
+            handle = self._agent.read_many([ReadRequest((remote.host, remote.port), local_ids, remote_ids,
+                                                        remote.request_id, timeout, num_tokens=tokens)])[0]
+        except KvxferError as exc:
             self._pool.free(landing)
             raise LoadFailed(f"load of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
         try:
