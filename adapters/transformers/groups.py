@@ -16,14 +16,16 @@ from typing import Sequence
 
 from kvxfer import LayoutError
 
-#: transformers ``layer_types`` -> the group kind kvxfer moves.
-KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+#: transformers ``layer_types`` -> the group kind kvxfer moves (``linear_attention``: transformers'
+#: name for SSM / linear-attention layers, whose cache is a per-request conv and recurrent state).
+KINDS = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "state"}
 
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Layers of one kind: their indices in the model, the kind (``full`` or ``sliding``) and the
-    window in tokens (0: full). ``index`` is the group's position (it enters the name)."""
+    """Layers of one kind: their indices in the model, the kind (``full``, ``sliding`` or
+    ``state``) and the window in tokens (0: not sliding). ``index`` is the group's position (it
+    enters the name)."""
 
     index: int
     kind: str
@@ -65,28 +67,45 @@ def layer_groups(layer_types: Sequence[str] | None, sliding_window: int | None) 
                             int(sliding_window) if t == "sliding_attention" else 0) for g, t in enumerate(order))
 
 
-def answer_ids(groups: Sequence[LayerGroup], blocks: Sequence[int], block_size: int) -> list[list[int]]:
-    """A prefilled request's ids per group (what it holds and answers): every group keeps the
-    request's ``blocks`` (one block table for all groups), a sliding group only their tail."""
+def answer_ids(groups: Sequence[LayerGroup], blocks: Sequence[int], block_size: int,
+               slot: int | None = None) -> list[list[int]]:
+    """A prefilled request's ids per group (what it holds and answers): every attention group
+    keeps the request's ``blocks`` (one block table for all groups), a sliding group only their
+    tail; a state group its ``slot``."""
     out = []
     for g in groups:
+        if g.kind == "state":
+            out.append([_slot(slot, g)])
+            continue
         n = g.kept_blocks(block_size)
         out.append(list(blocks[-n:]) if n else list(blocks))
     return out
 
 
+def _slot(slot: int | None, g: LayerGroup) -> int:
+    if slot is None:
+        raise LayoutError(f"group {g.name} is a state group: a request needs a state slot")
+    return slot
+
+
 def read_ids(groups: Sequence[LayerGroup], remote: Sequence[Sequence[int]], remote_tokens: int,
-             landing: Sequence[int], tokens: int, block_size: int) -> tuple[list[list[int]], list[list[int]]]:
+             landing: Sequence[int], tokens: int, block_size: int,
+             slot: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(local, remote) lists per group that read the first ``tokens`` tokens into ``landing``
     (``ceil(tokens / block_size)`` blocks), blocks of ``block_size`` on both sides.
 
     Full groups: the producer's first ``len(landing)`` blocks. Sliding groups: the producer's
     kept tail (whose last block holds token ``remote_tokens - 1``) cut to end at the block of
-    token ``tokens - 1``, against all of ``landing``; kvxfer then moves the window only.
+    token ``tokens - 1``, against all of ``landing``; kvxfer then moves the window only. State
+    groups: the producer's slot list into ``[slot]``.
     """
     local, theirs = [], []
     for g, ids in zip(groups, remote):
         ids = list(ids)
+        if g.kind == "state":
+            local.append([_slot(slot, g)])
+            theirs.append(ids)
+            continue
         if g.kind == "full":
             theirs.append(ids[:len(landing)])
         else:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvxfer import AttentionGroup, HybridSpec, KVSpec, KvxferError, LayoutError
+from kvxfer import AttentionGroup, HybridSpec, KVSpec, KvxferError, LayoutError, StateGroup
 
 from kvxfer_transformers.groups import LayerGroup, layer_groups
 
@@ -82,21 +82,32 @@ class KVPool:
     """
 
     def __init__(self, shape: ModelShape, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, model: str, fmt: str = "nhd") -> None:
+                 device: torch.device | str, model: str, fmt: str = "nhd", state: Any = None) -> None:
         if fmt not in FORMATS:
             raise LayoutError(f"pool format must be one of {FORMATS}; got {fmt!r}")
         self.format = fmt
+        self.groups = shape.groups
+        #: model layer indices of the attention layers ``tensors`` holds, in order (all, unless
+        #: the model has state layers: those keep ``state``, a ``kvxfer_transformers.state.StateSlots``)
+        self.attn_layers = [i for i in range(shape.num_layers)
+                            if not any(g.kind == "state" and i in g.layers for g in self.groups or ())]
+        self.state_groups = [g for g in self.groups or () if g.kind == "state"]
+        if bool(self.state_groups) != (state is not None):
+            raise LayoutError(f"a pool with state layers needs state slots and one without none; the model has "
+                              f"{len(self.state_groups)} state groups, state slots {'given' if state else 'missing'}")
+        self.state = state
         layout, storage, k_chunk = ("NHD", "split", 0) if fmt == "nhd" else ("HND", "head_packed", 1)
-        self.spec = KVSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+        self.spec = KVSpec(num_layers=len(self.attn_layers), num_kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, block_size=block_size, num_blocks=num_blocks,
                            dtype=dtype_name(dtype), layout=layout, storage=storage, model=model, k_dim_chunk=k_chunk)
         self.tensors = [torch.zeros(shp, dtype=dtype, device=device) for shp in self.spec.tensor_shapes()]
-        self.groups = shape.groups
         #: what the Agent is built with: ``spec``, or for a hybrid model a ``HybridSpec`` of one
-        #: ``AttentionGroup`` per layer group (each its layers' tensors; all share the block ids)
+        #: ``AttentionGroup`` per attention group (each its layers' tensors; all share the block
+        #: ids) and one ``StateGroup`` per state group (the state slots)
         self.cache_spec: KVSpec | HybridSpec = self.spec
         if self.groups is not None:
             self.cache_spec = HybridSpec(tuple(
+                StateGroup(state.spec(model), name=g.name) if g.kind == "state" else
                 AttentionGroup(replace(self.spec, num_layers=len(g.layers)), sliding_window=g.sliding_window,
                                name=g.name) for g in self.groups))
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -125,7 +136,9 @@ class KVPool:
         """What ``Agent.register`` takes for ``cache_spec``: the layers' tensors, or one list per group."""
         if self.groups is None:
             return self.tensors
-        return [[self.tensors[i] for i in g.layers] for g in self.groups]
+        at = {layer: i for i, layer in enumerate(self.attn_layers)}
+        return [self.state.tensors if g.kind == "state" else [self.tensors[at[i]] for i in g.layers]
+                for g in self.groups]
 
     @property
     def num_groups(self) -> int:
@@ -160,11 +173,17 @@ class KVPool:
                 self._freed.wait(left)
             return [self._free.pop() for _ in range(count)]
 
-    def free(self, blocks: Sequence[int]) -> None:
-        """Return blocks to the free list (the caller owns them; each id at most once)."""
+    def free(self, blocks: Sequence[int], slots: Sequence[int] = ()) -> None:
+        """Return blocks (and state ``slots``) to the free lists (the caller owns them; each id at most once)."""
         with self._freed:
             self._free.extend(int(b) for b in blocks)
             self._freed.notify_all()
+        if slots:
+            self.state.free(slots)
+
+    def allocate_slots(self, count: int, timeout: float = 0.0) -> list[int]:
+        """``count`` free state slots (a pool with state layers). Raises PoolExhausted."""
+        return self.state.allocate(count, timeout)
 
     # ---- copies ----------------------------------------------------------------------
     def _ids(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ def test_groups_in_order_of_first_appearance_named_as_vllm_names_them():
 
 
 @pytest.mark.parametrize("types, window, words", [
-    (["full_attention", "mamba"], 0, "layer 1 is 'mamba'"),
+    (["full_attention", "chunked_attention"], 0, "layer 1 is 'chunked_attention'"),
+    (["linear_attention"] * 2, 0, "needs a full_attention layer"),
     (["sliding_attention"] * 2, 8, "needs a full_attention layer"),
     (["sliding_attention", "full_attention"], None, "positive sliding_window"),
 ])
@@ -55,3 +56,32 @@ def test_a_hybrid_pool_registers_one_group_per_kind_on_its_layers_tensors():
     assert [g.spec.num_layers for g in pool.cache_spec.groups] == [2, 2]
     tensors = pool.agent_tensors()
     assert tensors[0][1] is pool.tensors[2] and tensors[1][0] is pool.tensors[1]
+
+
+def test_a_state_group_holds_and_reads_the_requests_slot():
+    g = layer_groups(["linear_attention", "full_attention"] * 2, None)
+    assert [(x.name, x.kind, x.layers) for x in g] == [("state0", "state", (0, 2)), ("full1", "full", (1, 3))]
+    assert answer_ids(g, [4, 5, 6], 16, slot=3) == [[3], [4, 5, 6]]
+    local, remote = read_ids(g, [[3], [4, 5, 6]], 40, [0, 1, 2], 39, 16, slot=7)
+    assert (local, remote) == ([[7], [0, 1, 2]], [[3], [4, 5, 6]])
+    with pytest.raises(LayoutError, match="state0 is a state group"):
+        answer_ids(g, [4], 16)
+
+
+def test_a_state_pool_registers_its_slots_as_a_state_group():
+    from kvxfer import StateGroup
+    from kvxfer_transformers.state import StateShape, StateSlots
+
+    shape = ModelShape(4, 2, 8, layer_groups(["linear_attention", "full_attention"] * 2, None))
+    state = StateSlots(2, [StateShape("conv0", (6, 4), torch.float32), StateShape("ssm0", (2, 3, 4), torch.float32)],
+                       num_slots=3, device="cpu")
+    pool = KVPool(shape, num_blocks=4, block_size=16, dtype=torch.float32, device="cpu", model="m", state=state)
+    assert pool.attn_layers == [1, 3] and pool.spec.num_layers == 2
+    group = pool.cache_spec.groups[0]
+    assert isinstance(group, StateGroup) and group.spec.num_slots == 3 and group.spec.num_layers == 2
+    assert pool.agent_tensors()[0] is state.tensors
+    x = [[torch.rand(1, 6, 4), torch.rand(1, 2, 3, 4)] for _ in range(2)]
+    state.store(x, 1)
+    assert all(torch.equal(a, b) for la, lb in zip(state.load(1), x) for a, b in zip(la, lb))
+    with pytest.raises(LayoutError, match="needs state slots"):
+        KVPool(shape, num_blocks=4, block_size=16, dtype=torch.float32, device="cpu", model="m")

@@ -26,3 +26,22 @@ def make_tiny_gemma3(path: Path) -> Path:
     torch.manual_seed(0)
     Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
     return path
+
+
+def make_tiny_granite_hybrid(path: Path) -> Path:
+    """GraniteMoeHybrid (Granite 4.0-H's architecture), 4 layers (Mamba2, attention, Mamba2,
+    attention), dense MLP, random weights (seed 0). transformers runs its Mamba2 layers on CPU
+    through its reference PyTorch path (no causal_conv1d or mamba_ssm kernels needed)."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    cfg = GraniteMoeHybridConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, shared_intermediate_size=256,
+                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                 layer_types=["mamba", "attention"] * 2, mamba_n_heads=8, mamba_d_head=16,
+                                 mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+                                 mamba_chunk_size=64, num_local_experts=0, num_experts_per_tok=0,
+                                 initializer_range=0.3, tie_word_embeddings=False, max_position_embeddings=2048,
+                                 position_embedding_type="rope")
+    torch.manual_seed(0)
+    GraniteMoeHybridForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    return path
