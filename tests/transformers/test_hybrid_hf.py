@@ -17,7 +17,7 @@ import pytest
 
 from cross_contract import MAX_TOKENS, first_difference
 from hf_harness import HF_CORE, HFServer, VllmServer, hf_config, port_run, prefill, prompt_of, quiet_env, route_pd, start_all
-from tiny_hybrid import GEMMA3_WINDOW, make_tiny_gemma3
+from kvxfer_transformers.testing import GEMMA3_WINDOW, make_tiny_gemma3
 
 pytestmark = pytest.mark.timeout(600)
 

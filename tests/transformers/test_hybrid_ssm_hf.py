@@ -17,7 +17,7 @@ from cross_contract import MAX_TOKENS, first_difference
 from hf_harness import (
     HF_CORE, HFServer, RequestFailed, hf_config, port_run, prefill, prompt_of, quiet_env, route_pd, start_all,
 )
-from tiny_hybrid import make_tiny_granite_hybrid
+from kvxfer_transformers.testing import make_tiny_granite_hybrid
 
 pytestmark = pytest.mark.timeout(600)
 

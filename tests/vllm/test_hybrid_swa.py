@@ -18,7 +18,7 @@ import pytest
 from conftest import BLOCK_SIZE, pd_servers
 from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
 from test_stock_nixl import STOCK, first_contact
-from tiny_hybrid import GEMMA3_WINDOW, make_tiny_gemma3
+from kvxfer_transformers.testing import GEMMA3_WINDOW, make_tiny_gemma3
 from vllm_harness import ProxyServer, prefill, prompt_of, route_pd, run_concurrently
 
 WINDOW = GEMMA3_WINDOW

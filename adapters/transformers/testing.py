@@ -1,4 +1,6 @@
-"""Tiny hybrid models whose answers depend on the context, shared by the vLLM and kvxfer-hf hybrid tests.
+"""Tiny hybrid models whose answers depend on the context, for tests and examples (layer: adapter; torch and transformers, imported when called).
+
+Shared by the vLLM and kvxfer-hf hybrid tests and ``examples/hf_hybrid_pd.py``.
 
 Random weights, but wide (``initializer_range=0.3``, untied embeddings), so a model's next token
 depends on the whole prompt (tiny random Gemma 2/3 models with the default initialisation answer
