@@ -21,28 +21,28 @@ import sys
 
 
 def make(kind: str, path: str) -> None:
-    import torch
+    """The tests' tiny models (``kvxfer_transformers.testing``), written to ``path``."""
+    from pathlib import Path
 
-    torch.manual_seed(0)
-    if kind == "gemma3-swa":   # sliding (window 32) and full attention alternating; untied, wide init
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-        cfg = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=64, vocab_size=1024, initializer_range=0.3,
-                               sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2,
-                               query_pre_attn_scalar=64, final_logit_softcapping=None, attn_logit_softcapping=None,
-                               tie_word_embeddings=False, max_position_embeddings=1024)
-        Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    elif kind == "granite-hybrid":   # Mamba2 and attention layers alternating (Granite 4.0-H's architecture)
-        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-        cfg = GraniteMoeHybridConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=1024, initializer_range=0.2,
-                                     layer_types=["mamba", "attention"] * 2, mamba_n_heads=8, mamba_d_head=32,
-                                     mamba_n_groups=1, mamba_d_state=16, mamba_expand=2, mamba_chunk_size=64,
-                                     num_local_experts=0, shared_intermediate_size=256, tie_word_embeddings=True,
-                                     position_embedding_type="rope", max_position_embeddings=1024)
-        GraniteMoeHybridForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    else:
-        raise SystemExit(f"unknown model {kind!r}: gemma3-swa or granite-hybrid")
+    from kvxfer_transformers.testing import make_tiny_gemma3, make_tiny_granite_hybrid
+
+    makers = {"gemma3-swa": make_tiny_gemma3, "granite-hybrid": make_tiny_granite_hybrid}
+    if kind not in makers:
+        raise SystemExit(f"unknown model {kind!r}: {sorted(makers)}")
+    makers[kind](Path(path))
+
+
+def transformers_answers(path: str, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    """What transformers answers for ``prompts`` (float32, greedy, 6 tokens): the bar for a cross-engine test."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        out.append(tuple(ids[0, len(prompt):].tolist()))
+    return out
 
 
 def probe(path: str, connector: str | None) -> None:
@@ -58,14 +58,24 @@ def probe(path: str, connector: str | None) -> None:
     groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
     print("groups:", [(type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None),
                        len(g.layer_names)) for g in groups])
-    answers = []
+    for g in groups:   # a state group's shapes, as a connector would have to describe them
+        spec = g.kv_cache_spec
+        if hasattr(spec, "shapes"):
+            print("state group:", type(spec).__name__, "shapes", spec.shapes, "dtypes", spec.dtypes,
+                  "block_size", spec.block_size, "page_size_bytes", spec.page_size_bytes,
+                  "mamba_cache_mode", getattr(spec, "mamba_cache_mode", None))
+    prompts = []
     for seed in range(4):
         rng = random.Random(seed)
-        prompt = [rng.randrange(1, 1000) for _ in range(100)] + [7]
+        prompts.append([rng.randrange(1, 1000) for _ in range(100)] + [7])
+    answers = []
+    for prompt in prompts:
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
         answers.append(tuple(out.outputs[0].token_ids))
     print("answers:", answers, "distinct:", len(set(answers)))
+    hf = transformers_answers(path, prompts)
+    print("transformers:", hf, "equal to vLLM's:", hf == answers)
 
 
 def main() -> int:

@@ -11,6 +11,11 @@ producer run outside it. The three entry points mirror what vLLM does for the sa
 * ``decode``: ``do_remote_prefill``: read the producer's blocks, rebuild a ``DynamicCache`` of
   all prompt tokens but the last, run the last one here (its logits give the first token, as
   vLLM's decoder recomputes the last prompt token), then decode greedily.
+
+Hybrid models (``kvxfer_transformers.groups``): sliding-window layers move their window only;
+a model with SSM / linear-attention layers keeps each request's state in a slot, so its prefill
+computes all prompt tokens but the last, stores their K/V and the state after them, then
+computes the last one (the state a decoder needs is the one before the token it recomputes).
 """
 
 from __future__ import annotations
@@ -26,12 +31,18 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvxfer_transformers.params import RemotePrefill, producer_answer
 from kvxfer_transformers.pool import KVPool, ModelShape
+from kvxfer_transformers.caches import layer_states, probe_state, record_sliding, set_layer_states, trim_sliding
 from kvxfer_transformers.settings import ServeSettings
+from kvxfer_transformers.state import StateSlots
 from kvxfer_transformers.transfer import LoadFailed, Transfers
 
 log = logging.getLogger("kvxfer_transformers.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: State slots of a model with SSM / linear-attention layers: requests whose state the instance
+#: holds at once (prefilled and not yet read by their decoder, plus loads landing).
+STATE_SLOTS = 32
 
 
 @dataclass(frozen=True)
@@ -77,9 +88,13 @@ class HFEngine:
         """Load the model, build its pool (``kv_layout``: ``nhd`` or ``vllm-cpu``, see ``KVPool``), and
         (when ``settings.enabled``) register it and listen."""
         model = load_model(model_dir, dtype, device)
-        pool = KVPool(ModelShape.from_config(model.config), num_blocks=num_blocks, block_size=block_size,
+        shape = ModelShape.from_config(model.config)
+        state_layers = [i for g in shape.groups or () if g.kind == "state" for i in g.layers]
+        state = StateSlots(len(state_layers), probe_state(model), num_slots=STATE_SLOTS, device=device) \
+            if state_layers else None
+        pool = KVPool(shape, num_blocks=num_blocks, block_size=block_size,
                       dtype=DTYPES[dtype], device=device, model=kv_model if kv_model is not None else model_dir,
-                      fmt=kv_layout)
+                      fmt=kv_layout, state=state)
         transfers = Transfers(pool, settings) if settings.enabled else None
         return cls(model, pool, settings, transfers, max_model_len)
 
@@ -121,21 +136,33 @@ class HFEngine:
         transfers = self._require_transfers()
         request_id = f"cmpl-hf-{uuid.uuid4().hex}"
         blocks = self.pool.allocate(self.pool.blocks_for(len(prompt)), timeout=self._timeout())
+        slots: list[int] = []
         held = False
         try:
+            if self.pool.state is not None:
+                slots = self.pool.allocate_slots(1, timeout=self._timeout())
             with self._lock:
                 cache = self._fresh_cache()
-                logits = self._forward(prompt, cache)
-                self.pool.store([(layer.keys, layer.values) for layer in cache.layers], blocks, len(prompt))
-                transfers.hold(request_id, blocks)
+                sliding = record_sliding(cache)
+                if slots and len(prompt) > 1:
+                    # a decoder recomputes the last prompt token: it needs the state before it
+                    self._forward(prompt[:-1], cache)
+                    self._store(cache, blocks, len(prompt) - 1, slots)
+                    logits = self._forward(prompt[-1:], cache)
+                else:
+                    logits = self._forward(prompt, cache)
+                    self._store(cache, blocks, len(prompt), slots)
+                trim_sliding(sliding)
+                transfers.hold(request_id, blocks, slots[0] if slots else None)
                 held = True  # from here the Agent owns the blocks; the reaper frees them
                 ids, reason = self._greedy(logits, cache, max_tokens, ignore_eos)
         except BaseException:
             if not held:
-                self.pool.free(blocks)
+                self.pool.free(blocks, slots)
             raise
         host, port = transfers.address
-        params = producer_answer(request_id=request_id, block_ids=blocks, engine_id=transfers.engine_id,
+        params = producer_answer(request_id=request_id, block_ids=transfers.hold_ids(blocks, slots[0] if slots else None),
+                                 engine_id=transfers.engine_id,
                                  host=host, port=port, tp_size=1, num_tokens=len(prompt),
                                  block_size=self.pool.spec.block_size,
                                  hold_token=transfers.hold_token(request_id))
@@ -159,10 +186,11 @@ class HFEngine:
             return Generation(done.token_ids, done.finish_reason, notes={"recomputed": str(exc)})
         try:
             layers = self.pool.load(landed.blocks, landed.tokens)
+            states = self.pool.state.load(landed.slot) if landed.slot is not None else None
         finally:
-            self.pool.free(landed.blocks)
+            self.pool.free(landed.blocks, [landed.slot] if landed.slot is not None else ())
         with self._lock:
-            cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+            cache = self._loaded_cache(layers, states)
             logits = self._forward(prompt[landed.tokens:], cache)
             ids, reason = self._greedy(logits, cache, max_tokens, ignore_eos)
         return Generation(ids, reason, loaded_tokens=landed.tokens,
@@ -170,6 +198,34 @@ class HFEngine:
                                  "transfer_mode": landed.mode})
 
     # ---- helpers ---------------------------------------------------------------------
+    def _state_layers(self) -> list[int]:
+        return [i for g in self.pool.state_groups for i in g.layers]
+
+    def _store(self, cache: DynamicCache, blocks: list[int], num_tokens: int, slots: list[int]) -> None:
+        """Copy the attention layers' first ``num_tokens`` tokens into ``blocks`` and the state
+        layers' state into ``slots[0]`` (a pool with state layers)."""
+        self.pool.store([(cache.layers[i].keys, cache.layers[i].values) for i in self.pool.attn_layers],
+                        blocks, num_tokens)
+        if slots:
+            self.pool.state.store([layer_states(cache.layers[i]) for i in self._state_layers()], slots[0])
+
+    def _loaded_cache(self, layers: list, states: list | None) -> DynamicCache:
+        """A ``DynamicCache`` of the loaded attention layers' K/V (and state layers' state)."""
+        if self.pool.groups is None:
+            return DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        data: list[tuple] = [(None, None)] * len(self.model.config.get_text_config(decoder=True).layer_types)
+        for pos, i in enumerate(self.pool.attn_layers):
+            data[i] = layers[pos]
+        cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
+        for tensors, i in zip(states or (), self._state_layers()):
+            set_layer_states(cache.layers[i], tensors)
+        return cache
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups a producer's ``remote_block_ids`` must list (1 unless hybrid)."""
+        return self.pool.num_groups
+
     def _require_transfers(self) -> Transfers:
         if self.transfers is None:
             raise LoadFailed("this server has no --kv-transfer-config: it cannot prefill for or decode "

@@ -6,18 +6,25 @@ in plain per-layer K/V tensors). Each attention layer owns one tensor
 token-major (kvxfer's ``split`` storage, ``NHD`` layout). Token ``t`` of a request whose
 blocks are ``b_0, b_1, ...`` sits in block ``b_{t // block_size}`` at row ``t % block_size``.
 K is stored as transformers caches it: after rotary (and after Qwen3's k-norm).
+
+A hybrid model (sliding-window and full-attention layers, ``kvxfer_transformers.groups``)
+keeps the same tensors, one per layer, and one block table for all of them: a request's
+blocks hold every layer's tokens, a sliding layer's as many blocks as a full one's (only its
+window is read back and moved). The Agent sees one group per kind of layer.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 
-from kvxfer import KVSpec, KvxferError, LayoutError
+from kvxfer import AttentionGroup, HybridSpec, KVSpec, KvxferError, LayoutError, StateGroup
+
+from kvxfer_transformers.groups import LayerGroup, layer_groups
 
 
 class PoolExhausted(KvxferError):
@@ -26,25 +33,25 @@ class PoolExhausted(KvxferError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What a model's KV cache looks like: layers, KV heads (GQA), head dim."""
+    """What a model's KV cache looks like: layers, KV heads (GQA), head dim, and its layer groups
+    (None: every layer full attention; see ``kvxfer_transformers.groups``)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    groups: tuple[LayerGroup, ...] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
         """Read a transformers config (text part). Raises LayoutError for caches this pool cannot hold
-        (sliding-window or linear-attention layers, MLA)."""
+        (a layer kind other than full and sliding-window attention, MLA)."""
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-        if kinds != {"full_attention"}:
-            raise LayoutError(f"only full-attention layers fit a paged KV pool; this model has {sorted(kinds)}")
+        groups = layer_groups(getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None))
         if getattr(cfg, "kv_lora_rank", None):
             raise LayoutError("MLA models (kv_lora_rank) are not supported by the transformers adapter")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim)
+        return cls(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim, groups)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,15 +82,34 @@ class KVPool:
     """
 
     def __init__(self, shape: ModelShape, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, model: str, fmt: str = "nhd") -> None:
+                 device: torch.device | str, model: str, fmt: str = "nhd", state: Any = None) -> None:
         if fmt not in FORMATS:
             raise LayoutError(f"pool format must be one of {FORMATS}; got {fmt!r}")
         self.format = fmt
+        self.groups = shape.groups
+        #: model layer indices of the attention layers ``tensors`` holds, in order (all, unless
+        #: the model has state layers: those keep ``state``, a ``kvxfer_transformers.state.StateSlots``)
+        self.attn_layers = [i for i in range(shape.num_layers)
+                            if not any(g.kind == "state" and i in g.layers for g in self.groups or ())]
+        self.state_groups = [g for g in self.groups or () if g.kind == "state"]
+        if bool(self.state_groups) != (state is not None):
+            raise LayoutError(f"a pool with state layers needs state slots and one without none; the model has "
+                              f"{len(self.state_groups)} state groups, state slots {'given' if state else 'missing'}")
+        self.state = state
         layout, storage, k_chunk = ("NHD", "split", 0) if fmt == "nhd" else ("HND", "head_packed", 1)
-        self.spec = KVSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+        self.spec = KVSpec(num_layers=len(self.attn_layers), num_kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, block_size=block_size, num_blocks=num_blocks,
                            dtype=dtype_name(dtype), layout=layout, storage=storage, model=model, k_dim_chunk=k_chunk)
         self.tensors = [torch.zeros(shp, dtype=dtype, device=device) for shp in self.spec.tensor_shapes()]
+        #: what the Agent is built with: ``spec``, or for a hybrid model a ``HybridSpec`` of one
+        #: ``AttentionGroup`` per attention group (each its layers' tensors; all share the block
+        #: ids) and one ``StateGroup`` per state group (the state slots)
+        self.cache_spec: KVSpec | HybridSpec = self.spec
+        if self.groups is not None:
+            self.cache_spec = HybridSpec(tuple(
+                StateGroup(state.spec(model), name=g.name) if g.kind == "state" else
+                AttentionGroup(replace(self.spec, num_layers=len(g.layers)), sliding_window=g.sliding_window,
+                               name=g.name) for g in self.groups))
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._freed = threading.Condition()
 
@@ -105,6 +131,18 @@ class KVPool:
         """Whether kvxfer's translator moves this pool's K correctly to or from ``peer``: always, but
         for a ``head_packed`` peer that states no K order (vLLM CPU on a kernel kvxfer cannot describe)."""
         return peer.storage.value != "head_packed" or peer.k_dim_major or self.same_format_as(peer)
+
+    def agent_tensors(self) -> list:
+        """What ``Agent.register`` takes for ``cache_spec``: the layers' tensors, or one list per group."""
+        if self.groups is None:
+            return self.tensors
+        at = {layer: i for i, layer in enumerate(self.attn_layers)}
+        return [self.state.tensors if g.kind == "state" else [self.tensors[at[i]] for i in g.layers]
+                for g in self.groups]
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.groups is None else len(self.groups)
 
     @property
     def block_size(self) -> int:
@@ -135,11 +173,17 @@ class KVPool:
                 self._freed.wait(left)
             return [self._free.pop() for _ in range(count)]
 
-    def free(self, blocks: Sequence[int]) -> None:
-        """Return blocks to the free list (the caller owns them; each id at most once)."""
+    def free(self, blocks: Sequence[int], slots: Sequence[int] = ()) -> None:
+        """Return blocks (and state ``slots``) to the free lists (the caller owns them; each id at most once)."""
         with self._freed:
             self._free.extend(int(b) for b in blocks)
             self._freed.notify_all()
+        if slots:
+            self.state.free(slots)
+
+    def allocate_slots(self, count: int, timeout: float = 0.0) -> list[int]:
+        """``count`` free state slots (a pool with state layers). Raises PoolExhausted."""
+        return self.state.allocate(count, timeout)
 
     # ---- copies ----------------------------------------------------------------------
     def _ids(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:

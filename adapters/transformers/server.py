@@ -110,7 +110,7 @@ def _run(engine: HFEngine, req: CompletionRequest) -> Generation:
     params = req.kv_transfer_params
     if wants_remote_prefill(params):
         try:
-            remote = RemotePrefill.parse(params)
+            remote = RemotePrefill.parse(params, num_groups=engine.num_groups)
         except BadParams as exc:
             raise BadRequest(f"kv_transfer_params: {exc}") from None
         if engine.settings.consumes:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvxfer import Agent, HoldToken, KvxferError, ReadRequest, RequestState, WaitTimeout
 
+from kvxfer_transformers.groups import answer_ids, read_ids
 from kvxfer_transformers.params import RemotePrefill
 from kvxfer_transformers.pool import KVPool
 from kvxfer_transformers.settings import ServeSettings
@@ -52,6 +53,7 @@ class Landed:
     seconds: float = 0.0
     num_bytes: int = 0
     mode: str = ""
+    slot: int | None = None   # a state pool's slot holding the state after ``tokens`` tokens (caller frees it)
 
 
 def read_extent(remote: RemotePrefill, prompt_len: int, peer_block: int,
@@ -93,12 +95,14 @@ class Transfers:
                  agent: Agent | None = None) -> None:
         self._pool = pool
         self._settings = settings
-        self._agent = agent if agent is not None else Agent(name, pool.spec, settings.agent_config())
+        self._agent = agent if agent is not None else Agent(name, pool.cache_spec, settings.agent_config())
         self._held: dict[str, list[int]] = {}
+        self._slots: dict[str, list[int]] = {}        # request id -> its state slots (held, a hybrid pool with state)
         self._quarantined: dict[str, list[int]] = {}  # request id -> its landing blocks kvxfer quarantined
+        self._quarantined_slots: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         try:
-            self._agent.register(pool.tensors)
+            self._agent.register(pool.agent_tensors())
             self.address = self._agent.listen()
         except BaseException:
             self._agent.close()
@@ -128,12 +132,22 @@ class Transfers:
         token = self._agent.hold_token(request_id)
         return token.wire() if token is not None else None
 
-    def hold(self, request_id: str, blocks: list[int]) -> None:
-        """Keep ``blocks`` (already filled) for a decoder; they return to the pool when it is done
-        or the lease expires. On error the caller still owns the blocks."""
+    def hold_ids(self, blocks: list[int], slot: int | None = None) -> list[int] | list[list[int]]:
+        """What a prefilled request holds and answers: ``blocks``, or for a hybrid pool one list
+        per group (a sliding group's cut to its window's blocks plus one, a state group's ``[slot]``)."""
+        if self._pool.groups is None:
+            return blocks
+        return answer_ids(self._pool.groups, blocks, self._pool.block_size, slot)
+
+    def hold(self, request_id: str, blocks: list[int], slot: int | None = None) -> None:
+        """Keep ``blocks`` (and a state pool's ``slot``, already filled) for a decoder; they return
+        to the pool when it is done or the lease expires. On error the caller still owns them. A
+        hybrid pool holds ``hold_ids(blocks, slot)`` and frees all of ``blocks`` when the hold ends."""
         with self._lock:
-            self._agent.hold(request_id, blocks)
+            self._agent.hold(request_id, self.hold_ids(blocks, slot))
             self._held[request_id] = blocks
+            if slot is not None:
+                self._slots[request_id] = [slot]
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(REAP_INTERVAL):
@@ -150,12 +164,12 @@ class Transfers:
             for request_id in fin.freed:
                 blocks = self._held.pop(request_id, None)
                 if blocks is not None:
-                    self._pool.free(blocks)
+                    self._pool.free(blocks, self._slots.pop(request_id, ()))
             for request_id in fin.reclaimed:
                 blocks = self._quarantined.pop(request_id, None)
                 if blocks is not None:
                     log.info("read of %s: %d quarantined landing blocks reclaimed", request_id, len(blocks))
-                    self._pool.free(blocks)
+                    self._pool.free(blocks, self._quarantined_slots.pop(request_id, ()))
 
     # ---- consumer --------------------------------------------------------------------
     def load(self, remote: RemotePrefill, prompt_len: int, timeout: float) -> Landed:
@@ -167,6 +181,8 @@ class Transfers:
             LoadFailed: the peer is gone or incompatible, the blocks are no longer held, the
                 pool is full, or the transfer failed or timed out (the kvxfer error is chained).
         """
+        if self._pool.groups is not None:
+            return self._load_groups(remote, prompt_len, timeout)
         landing: list[int] = []
         try:
             peer = self._agent.connect(remote.host, remote.port).spec
@@ -202,6 +218,45 @@ class Transfers:
         mode = getattr(stats.mode, "value", stats.mode) or "direct"
         return Landed(landing, tokens, stats.seconds, stats.num_bytes, str(mode))
 
+    def _load_groups(self, remote: RemotePrefill, prompt_len: int, timeout: float) -> Landed:
+        """``load`` for a hybrid pool: one read of every group (one list each), blocks of this
+        pool's size on both sides; a sliding group moves only the window of the loaded tokens."""
+        bs = self._pool.block_size
+        landing: list[int] = []
+        slots: list[int] = []
+        try:
+            if remote.block_size not in (None, bs):
+                raise LoadFailed(f"the producer's blocks hold {remote.block_size} tokens; a hybrid cache moves "
+                                 f"between blocks of one size and this pool's hold {bs} (--block-size "
+                                 f"{remote.block_size})")
+            full = next(i for i, g in enumerate(self._pool.groups) if g.kind == "full")
+            held = min(remote.tokens_available(prompt_len), len(remote.groups[full]) * bs)
+            tokens = max(0, min(held, prompt_len - 1))
+            if tokens == 0:
+                self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
+                return Landed([], 0)
+            if self._pool.state_groups and tokens != prompt_len - 1:
+                raise LoadFailed(f"the producer's state covers {remote.tokens_available(prompt_len) - 1} tokens; "
+                                 f"a decode of this {prompt_len}-token prompt needs the state after {prompt_len - 1}")
+            landing = self._pool.allocate(-(-tokens // bs), timeout=timeout)
+            if self._pool.state_groups:
+                slots = self._pool.allocate_slots(1, timeout=timeout)
+            local_ids, remote_ids = read_ids(self._pool.groups, remote.groups, remote.tokens_available(prompt_len),
+                                             landing, tokens, bs, slots[0] if slots else None)
+            # no hold token: it proves a hold of the ids as held, and the window cut reads fewer (claims)
+            handle = self._agent.read_many([ReadRequest((remote.host, remote.port), local_ids, remote_ids,
+                                                        remote.request_id, timeout, num_tokens=tokens)])[0]
+        except KvxferError as exc:
+            self._pool.free(landing, slots)
+            raise LoadFailed(f"load of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
+        try:
+            stats = handle.wait(timeout)
+        except KvxferError as exc:
+            self._give_up(remote, landing, handle, slots)
+            raise LoadFailed(f"read of {remote.request_id} from {remote.host}:{remote.port}: {exc}") from exc
+        mode = getattr(stats.mode, "value", stats.mode) or "direct"
+        return Landed(landing, tokens, stats.seconds, stats.num_bytes, str(mode), slots[0] if slots else None)
+
     def release_remote(self, remote: RemotePrefill) -> None:
         """Tell a producer its blocks are not wanted (this side computes the prompt itself); best effort."""
         try:
@@ -209,9 +264,11 @@ class Transfers:
         except KvxferError as exc:
             log.warning("release of %s at %s:%d: %s", remote.request_id, remote.host, remote.port, exc)
 
-    def _give_up(self, remote: RemotePrefill, landing: list[int], handle) -> None:
+    def _give_up(self, remote: RemotePrefill, landing: list[int], handle, slots: list[int] | None = None) -> None:
         """A posted read failed, or its wait ran out: tell the producer, then return the landing
-        blocks to the pool, except those kvxfer quarantined (kept out until reclaimed)."""
+        blocks (and state ``slots``) to the pool, except those kvxfer quarantined (kept out until
+        reclaimed; a hybrid pool keeps all of them out, as its quarantine names the carrier's ids)."""
+        slots = list(slots or ())
         try:
             self._agent.abort(remote.request_id, remote=(remote.host, remote.port))
         except KvxferError as abort_exc:
@@ -221,26 +278,30 @@ class Transfers:
         except WaitTimeout:
             log.warning("read of %s: not ended %.1f s after its abort; its %d landing blocks stay out",
                         remote.request_id, ABORT_SETTLE, len(landing))
-            self._keep_out(remote.request_id, landing)
+            self._keep_out(remote.request_id, landing, slots)
             return
         except KvxferError:
             pass  # the read's own failure: what its error says about the blocks decides below
         error = handle.exception()
         quarantined = set(getattr(error, "quarantined_blocks", None) or ())
-        self._pool.free([b for b in landing if b not in quarantined])
+        if quarantined and self._pool.groups is not None:
+            quarantined = set(landing)
+        self._pool.free([b for b in landing if b not in quarantined], () if quarantined else slots)
         if quarantined:
             log.warning("read of %s failed (%s); %d landing blocks quarantined until kvxfer reclaims them",
                         remote.request_id, error, len(quarantined))
-            self._keep_out(remote.request_id, [b for b in landing if b in quarantined])
+            self._keep_out(remote.request_id, [b for b in landing if b in quarantined], slots)
 
-    def _keep_out(self, request_id: str, blocks: list[int]) -> None:
-        """Keep quarantined ``blocks`` out of the pool until ``reap`` sees ``request_id`` reclaimed.
-        The reaper may have drained that report already: ``status`` still says so."""
+    def _keep_out(self, request_id: str, blocks: list[int], slots: list[int] | None = None) -> None:
+        """Keep quarantined ``blocks`` (and ``slots``) out of the pool until ``reap`` sees
+        ``request_id`` reclaimed. The reaper may have drained that report already: ``status`` still says so."""
         with self._lock:
             if self._agent.status(request_id) is RequestState.RECLAIMED:
-                self._pool.free(blocks)
+                self._pool.free(blocks, slots or ())
                 return
             self._quarantined[request_id] = list(blocks)
+            if slots:
+                self._quarantined_slots[request_id] = list(slots)
 
     def close(self) -> None:
         """Stop the reaper and close the Agent (held requests end with it); harmless twice."""

@@ -116,7 +116,7 @@ def test_pool_refuses_what_does_not_fit():
         pool.allocate(3, timeout=0.05)
     with pytest.raises(LayoutError, match="do not fit"):
         pool.store(_layers(9), [0, 1], 9)
-    with pytest.raises(LayoutError, match="only full-attention"):
+    with pytest.raises(LayoutError, match="needs a full_attention layer"):
         ModelShape.from_config(type("C", (), {"layer_types": ["sliding_attention"], "num_attention_heads": 2})())
 
 

@@ -18,26 +18,12 @@ import pytest
 from conftest import BLOCK_SIZE, pd_servers
 from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
 from test_stock_nixl import STOCK, first_contact
+from kvxfer_transformers.testing import GEMMA3_WINDOW, make_tiny_gemma3
 from vllm_harness import ProxyServer, prefill, prompt_of, route_pd, run_concurrently
 
-WINDOW = 32
+WINDOW = GEMMA3_WINDOW
 KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
        "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"transfer_timeout": 60}}
-
-
-def make_tiny_gemma3(path: Path) -> Path:
-    """Gemma 3 text model, 4 layers (sliding, full, sliding, full), random weights (seed 0)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=64, vocab_size=1024, initializer_range=0.3,
-                           sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
-                           query_pre_attn_scalar=64, final_logit_softcapping=None, attn_logit_softcapping=None,
-                           tie_word_embeddings=False, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
