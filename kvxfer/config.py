@@ -211,6 +211,13 @@ class AgentConfig:
         hold_words: slots of this producer's table of hold words (16 bytes each, in ``/dev/shm``):
             a hold gets a token (``Agent.hold_token``) whose reads need no claim
             (docs/reliability.md, "hold tokens"). ``0``: no table; every read claims.
+        switch_interval: set the Python interpreter's thread switch interval
+            (``sys.setswitchinterval``, seconds, in (0, 0.1]) when the agent is created (env
+            ``KVXFER_SWITCH_INTERVAL``); ``None`` (default): leave it (CPython's is 5 ms). While an
+            engine thread runs Python, kvxfer's threads (a producer answering claims, a consumer's
+            progress) get the interpreter only at such a switch: with the producer's engine thread
+            100% busy a claimed read took 3x its idle time at 5 ms and 1x at 0.5 ms
+            (docs/benchmarks.md, "Busy engines"). It is process-wide: the engine owner's choice.
     """
 
     side_channel_host: str | None = None
@@ -234,6 +241,7 @@ class AgentConfig:
     express_port: int | None = 0
     num_threads: int = 0
     hold_words: int = 65_536
+    switch_interval: float | None = None
 
     def __post_init__(self) -> None:
         set_ = partial(object.__setattr__, self)
@@ -260,6 +268,12 @@ class AgentConfig:
         set_("staging_bytes", check_count(self.staging_bytes, "staging_bytes"))
         set_("num_threads", check_count(self.num_threads, "num_threads", 0, 1024))
         set_("hold_words", check_count(self.hold_words, "hold_words", 0, 1 << 24))
+        if self.switch_interval is not None:
+            seconds = check_seconds(self.switch_interval, "switch_interval")
+            if seconds > 0.1:
+                raise ConfigError(f"switch_interval must be a number of seconds in (0, 0.1] or None; "
+                                  f"got {self.switch_interval!r}")
+            set_("switch_interval", float(seconds))
         set_("max_message_bytes", check_count(self.max_message_bytes, "max_message_bytes", MIN_MESSAGE_BYTES))
         if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:
             raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "
@@ -350,6 +364,9 @@ class AgentConfig:
                     raise ConfigError(f"KVXFER_EXPRESS_PORT must be a port number in [0, 65535] or 'off'; "
                                       f"got {express!r}")
                 values["express_port"] = port
+        switch = os.environ.get("KVXFER_SWITCH_INTERVAL")
+        if switch and switch.strip():
+            values["switch_interval"] = parse_seconds(switch.strip(), "KVXFER_SWITCH_INTERVAL")
         values.update(overrides)
         return cls(**values)
 

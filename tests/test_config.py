@@ -141,3 +141,16 @@ def test_parse_seconds_refuses_what_is_not_positive_finite_seconds(raw):
     with pytest.raises(ConfigError, match="kv_lease_timeout must be a"):
         parse_seconds(raw, "kv_lease_timeout")
     assert parse_seconds("2.5", "kv_lease_timeout") == 2.5 == parse_seconds(2.5, "x")
+
+
+def test_switch_interval_is_checked_and_read_from_env(monkeypatch):
+    assert AgentConfig().switch_interval is None
+    assert AgentConfig(switch_interval=0.0005).switch_interval == 0.0005
+    for bad in (0, -1, 0.5, "fast", True):
+        with pytest.raises(ConfigError, match="switch_interval"):
+            AgentConfig(switch_interval=bad)
+    monkeypatch.setenv("KVXFER_SWITCH_INTERVAL", "0.001")
+    assert AgentConfig.from_env().switch_interval == 0.001
+    monkeypatch.setenv("KVXFER_SWITCH_INTERVAL", "soon")
+    with pytest.raises(ConfigError, match="KVXFER_SWITCH_INTERVAL"):
+        AgentConfig.from_env()

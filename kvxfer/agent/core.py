@@ -9,6 +9,7 @@ polls transfers, notifications and lease expiry; every user-facing wait takes a 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Sequence
@@ -108,6 +109,10 @@ class Agent:
         self.spec = spec
         self.config = hybrid_config(spec, config or AgentConfig.from_env())
         self.engine_id = new_engine_id(name)
+        if self.config.switch_interval is not None and sys.getswitchinterval() != self.config.switch_interval:
+            log.info("agent %s: the interpreter's switch interval %.4f s -> %.4f s (switch_interval)",
+                     self.engine_id, sys.getswitchinterval(), self.config.switch_interval)
+            sys.setswitchinterval(self.config.switch_interval)
         clock = clock or MonotonicClock()
         if backend is None:
             from kvxfer.backend.nixl import NixlBackend  # lazy: only this module of the agent needs nixl

@@ -51,7 +51,8 @@ def _cache(spec: KVSpec, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 1 << 16, size=s, dtype=np.uint16) for s in spec.tensor_shapes()]
 
 
-def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None:
+def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None,
+              switch_interval: float | None = None) -> None:
     """The producer process: an Agent and a raw NIXL agent over one cache; the main thread is the
     engine (busy for ``duty`` of every ``PERIOD``) and takes commands between its turns."""
     from kvxfer import Agent, AgentConfig  # noqa: PLC0415
@@ -59,7 +60,8 @@ def _producer(cmd: Any, out: Any, port: int, thread: bool | None = None) -> None
 
     spec = KVSpec(**SPEC)
     cache = _cache(spec, 1)
-    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, nixl_progress_thread=thread)
+    config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=port, nixl_progress_thread=thread,
+                         switch_interval=switch_interval)
     with Agent("busy-producer", spec, config) as agent:
         agent.register(cache)
         agent.listen()
@@ -170,10 +172,11 @@ def _has_poll(agent) -> bool:
 
 
 def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print,
-             progress_thread: bool | None = None) -> dict:
+             progress_thread: bool | None = None, switch_interval: float | None = None) -> dict:
     """Measure (see the module doc); returns ``{"rows": [...], "spec": ...}``. Raises
     RuntimeError when a read's bytes are wrong. ``progress_thread``: NIXL's progress thread in
-    both kvxfer agents (``AgentConfig.nixl_progress_thread``; None: their default, auto)."""
+    both kvxfer agents (``AgentConfig.nixl_progress_thread``; None: their default, auto);
+    ``switch_interval``: ``AgentConfig.switch_interval`` in both processes (None: CPython's)."""
     from kvxfer import Agent, AgentConfig, HoldToken, ReadRequest  # noqa: PLC0415
     from kvxfer.testing import free_port_block  # noqa: PLC0415
 
@@ -181,7 +184,7 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
     ctx = mp.get_context("spawn")
     cmd, out = ctx.Queue(), ctx.Queue()
     port = free_port_block(1)
-    proc = ctx.Process(target=_producer, args=(cmd, out, port, progress_thread), daemon=True)
+    proc = ctx.Process(target=_producer, args=(cmd, out, port, progress_thread, switch_interval), daemon=True)
     proc.start()
     rows: list[dict] = []
     try:
@@ -189,7 +192,7 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
         ask = lambda what: (cmd.put(what), out.get(timeout=60))[1]  # noqa: E731
         cache = _cache(spec, 2)
         config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1),
-                             nixl_progress_thread=progress_thread)
+                             nixl_progress_thread=progress_thread, switch_interval=switch_interval)
         with Agent("busy-consumer", spec, config) as agent:
             agent.register(cache)
             raw = _Raw(agent, meta, bases)
@@ -285,7 +288,7 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
             r["vs_idle"] = r["p50_ms"] / idle[r["method"]]
             r["vs_raw"] = r["p50_ms"] / next(x["p50_ms"] for x in rows
                                               if x["case"] == r["case"] and x["method"] == "raw NIXL")
-    return {"rows": rows, "spec": SPEC, "nixl_progress_thread": progress_thread, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
+    return {"rows": rows, "spec": SPEC, "nixl_progress_thread": progress_thread, "switch_interval": switch_interval, "read_bytes": BLOCKS * KVSpec(**SPEC).region_bytes // SPEC["num_blocks"]
             * SPEC["num_layers"] * 2}
 
 

@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
                    help="--busy-engine: NIXL's progress thread in kvxfer's agents (AgentConfig.nixl_progress_thread; "
                         "raw NIXL always runs it, as vLLM does)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="--busy-engine: the interpreter's switch interval in both processes, seconds "
+                        "(AgentConfig.switch_interval; default: CPython's 5 ms)")
     p.add_argument("--two-hosts", action="store_true",
                    help="producer and consumer in two network namespaces joined by a veth pair (needs "
                         "root; host memory, UCX over TCP): socket line, raw NIXL with UCX's and kvxfer's "
@@ -166,7 +169,8 @@ def _busy(args: argparse.Namespace, argv: list[str] | None) -> int:
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.quiet else (lambda line: None)
     try:
         thread = {"auto": None, "on": True, "off": False}[args.nixl_progress_thread]
-        report = busy.run_busy(reads=args.reads, progress=progress, progress_thread=thread)
+        report = busy.run_busy(reads=args.reads, progress=progress, progress_thread=thread,
+                               switch_interval=args.switch_interval)
     except RuntimeError as exc:
         print(f"kvxfer bench --busy-engine: {exc}", file=sys.stderr)
         return 1
