@@ -318,6 +318,7 @@ def test_a_progress_thread_with_a_delay_waits_for_events_instead_of_spinning():
     ``progress_delay_us`` makes it sleep in poll() until UCX has work (config: auto on < 8 cores)."""
     spinning = _new_threads_cpu(lambda: NixlBackend("spins", progress_thread=True))
     waiting = _new_threads_cpu(lambda: NixlBackend("waits", progress_thread=True, progress_delay_us=1000))
-    assert waiting < 0.1 < 0.3 < spinning, (spinning, waiting)
+    # the spinning thread's share depends on how loaded the host is; the waiting one's does not
+    assert waiting < 0.1 and spinning > 5 * waiting, (spinning, waiting)
     with pytest.raises(ConfigError, match="progress_delay_us must be an int >= 0; got -1"):
         NixlBackend("bad", progress_delay_us=-1)
