@@ -7,13 +7,14 @@ CPU cores as the vLLM harness binds vLLM (here with ``sched_setaffinity`` and on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
 
@@ -23,7 +24,7 @@ from vllm_harness import (  # noqa: E402  (re-exported for the test modules)
 )
 
 __all__ = ["HF16_LEASE_S", "HF_CORE", "SERVED_NAME", "Client", "Completion", "HFServer", "ProxyServer", "RequestFailed", "VllmServer",
-           "free_port", "hf_config", "port_run", "make_tiny_model", "post_json", "prefill", "prompt_of", "quiet_env",
+           "free_port", "hf_config", "hf_pd_clients", "port_run", "make_tiny_model", "post_json", "prefill", "prompt_of", "quiet_env",
            "route_pd", "run_concurrently", "start_all"]
 
 #: Core of every kvxfer-hf server in the tests (vLLM servers take core 1, as in tests/vllm).
@@ -32,9 +33,6 @@ HF_CORE = "0"
 #: hf16's producer lease (seconds a prefill holds blocks nobody claims), short for the expiry test.
 HF16_LEASE_S = 6
 
-#: NIXL's progress thread spins a core per agent even when idle (docs/api.md); on 2 shared cores
-#: every server in these tests runs without it.
-QUIET = {"KVXFER_NIXL_PROGRESS_THREAD": "0"}
 
 
 def port_run(n: int) -> int:
@@ -63,7 +61,7 @@ def port_run(n: int) -> int:
 
 def quiet_env(side_port: int) -> dict[str, str]:
     """Environment of a server whose side channel listens at 127.0.0.1:side_port."""
-    return {**QUIET, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
 
 
 def hf_config(policy: str = "fail", role: str = "kv_both", **extra: Any) -> str:
@@ -97,6 +95,21 @@ class HFServer(VllmServer):
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self
+
+
+@contextlib.contextmanager
+def hf_pd_clients(tag: str, model: Path, logs: Path, *args: str) -> Iterator[tuple[Client, Client]]:
+    """A ``kvxfer-hf`` prefill and decode instance (core ``HF_CORE``, side channels on a fresh run
+    of ports, server ``args``), started together; yields their clients, stops both."""
+    side = port_run(8)
+    servers = [HFServer(f"{tag}-{role}", model, logs, cpu_bind=HF_CORE, env=quiet_env(side + 4 * i), args=args)
+               for i, role in enumerate(("prefill", "decode"))]
+    start_all(servers, timeout=180)
+    try:
+        yield servers[0].client(), servers[1].client()
+    finally:
+        for s in servers:
+            s.stop()
 
 
 class HFScriptServer(HFServer):

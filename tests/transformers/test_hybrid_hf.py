@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cross_contract import MAX_TOKENS, first_difference
-from hf_harness import HF_CORE, HFServer, VllmServer, hf_config, port_run, prefill, prompt_of, quiet_env, route_pd, start_all
+from hf_harness import VllmServer, hf_config, hf_pd_clients, port_run, prefill, prompt_of, quiet_env, route_pd, start_all
 from kvxfer_transformers.testing import GEMMA3_WINDOW, make_tiny_gemma3
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,16 +35,9 @@ def gemma3(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_pair(gemma3, hf_logs):
-    side = port_run(8)
-    servers = [HFServer(f"hf-swa-{role}", gemma3, hf_logs, cpu_bind=HF_CORE, env=quiet_env(side + 4 * i),
-                        args=("--block-size", str(BLOCK), "--kv-transfer-config", hf_config("fail")))
-               for i, role in enumerate(("prefill", "decode"))]
-    start_all(servers, timeout=180)
-    try:
-        yield tuple(s.client() for s in servers)
-    finally:
-        for s in servers:
-            s.stop()
+    with hf_pd_clients("hf-swa", gemma3, hf_logs, "--block-size", str(BLOCK),
+                       "--kv-transfer-config", hf_config("fail")) as pair:
+        yield pair
 
 
 def reference(client, prompt):

@@ -15,7 +15,7 @@ import pytest
 
 from cross_contract import MAX_TOKENS, first_difference
 from hf_harness import (
-    HF_CORE, HFServer, RequestFailed, hf_config, port_run, prefill, prompt_of, quiet_env, route_pd, start_all,
+    RequestFailed, hf_config, hf_pd_clients, port_run, prefill, prompt_of, route_pd,
 )
 from kvxfer_transformers.testing import make_tiny_granite_hybrid
 
@@ -29,16 +29,9 @@ def granite(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_pair(granite, hf_logs):
-    side = port_run(8)
-    servers = [HFServer(f"hf-ssm-{role}", granite, hf_logs, cpu_bind=HF_CORE, env=quiet_env(side + 4 * i),
-                        args=("--block-size", "16", "--kv-transfer-config", hf_config("fail")))
-               for i, role in enumerate(("prefill", "decode"))]
-    start_all(servers, timeout=180)
-    try:
-        yield tuple(s.client() for s in servers)
-    finally:
-        for s in servers:
-            s.stop()
+    with hf_pd_clients("hf-ssm", granite, hf_logs, "--block-size", "16",
+                       "--kv-transfer-config", hf_config("fail")) as pair:
+        yield pair
 
 
 def reference(client, prompt):
