@@ -161,16 +161,23 @@ def outcome(handle, check: Callable[[], None], timeout: float = 25.0, by_token: 
 
 
 def freeze(pid: int, timeout: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and return once it is really stopped (``kill`` returns before the target
-    has stopped; a request sent in between could still be answered)."""
+    """SIGSTOP ``pid`` and return once every thread of it has stopped (``kill`` returns before the
+    target has stopped, and its threads stop one by one: a UCX progress thread could still answer a
+    request sent in between)."""
     import os
     import signal
 
     os.kill(pid, signal.SIGSTOP)
 
     def stopped() -> bool:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+            except FileNotFoundError:   # a thread that exited meanwhile
+                continue
+        return True
 
     if not wait_until(stopped, timeout, step=0.001):
         raise RuntimeError(f"process {pid} did not stop within {timeout} s")

@@ -28,7 +28,8 @@ import numpy as np
 
 from kvxfer import Agent, AgentConfig, KvxferError, KVSpec
 from kvxfer.testing import ProducerProcess, free_port_block, spin_python
-from token_faults import NOT_MINE, ReusingEngine, freeze, token_command, wait_until  # noqa: F401 (freeze, wait_until: re-exported)
+# freeze and wait_until are re-exported for the chaos modules
+from token_faults import NOT_MINE, ReusingEngine, freeze, token_command, wait_until  # noqa: F401
 
 #: The value a reusing engine writes into blocks it got back.
 REUSED = 0xDEAD

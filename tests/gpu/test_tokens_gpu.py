@@ -45,17 +45,13 @@ def claims(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gpu_pair():
+def gpu_pair(cuda):
     """One producer (its engine reusing freed blocks on the GPU) and this process's consumer, for
     every case of the module but SIGKILL's."""
     import torch
 
     from kvxfer import Agent, AgentConfig, KVSpec
 
-    from .conftest import _cuda_devices
-
-    if not _cuda_devices()[0]:
-        pytest.skip(f"GPU test skipped: {_cuda_devices()[1]}")
     spec = KVSpec(**BIG)
     prod = OwnerProducer(spec, SEED, free_port_block(), 0)
     torch.cuda.set_device(0)
@@ -66,7 +62,7 @@ def gpu_pair():
     cons.register(cache)
     cons.connect(*prod.address)   # handshaken: a token read starts at once, with no claim
     try:
-        yield spec, prod, cons, cache
+        yield spec, prod, cons, cache, host_cache(spec, SEED)
     finally:
         cons.close()
         prod.stop()
@@ -100,12 +96,12 @@ def test_ipc_token_read_is_exact_or_typed_never_reused(gpu_pair, claims, event, 
 
     from kvxfer import HoldToken, ReadRequest
 
-    spec, prod, cons, cache = gpu_pair
+    spec, prod, cons, cache, seeded = gpu_pair
     outcomes = []
     for trial in range(TRIALS):
         src, dst = split_ids(spec.num_blocks, N, trial, 20 + list(EXPECTED).index((event, when)))
         rid = f"{event}-{when}-{trial}"
-        want = logical(spec, host_cache(spec, SEED), src)
+        want = logical(spec, seeded, src)
         lease = {"before": 0.3, "during": 0.02, "after": AFTER_LEASE}[when] if event == "expiry" else None
         wire = prod.ask(("hold_token", rid, src, lease))
         assert wire is not None, "a plain hold got no token"
@@ -139,7 +135,7 @@ def test_ipc_token_read_is_exact_or_typed_never_reused(gpu_pair, claims, event, 
                 torch.cuda.synchronize()
                 got = [t.cpu().numpy() for t in cache]
                 np.testing.assert_array_equal(logical(spec, got, dst), want,
-                                              err_msg=f"{rid}: a token read succeeded with other bytes than the held ones")
+                                              err_msg=f"{rid}: a token read succeeded with other bytes")
 
             outcomes.append(outcome(handle, check, 20.0))
         finally:

@@ -34,7 +34,7 @@ from chaos_peers import BIG, Peer, _serve  # noqa: E402
 from kvxfer import KVSpec  # noqa: E402
 from kvxfer.bench.hosts import HostsUnavailableError, two_hosts  # noqa: E402
 from kvxfer.testing import ProducerProcess  # noqa: E402
-from token_faults import TYPED, split_ids, wait_until  # noqa: E402
+from token_faults import TYPED, freeze, split_ids, wait_until  # noqa: E402
 
 TRIALS = 3
 PORT = 47371      # inside the pair's own namespaces
@@ -252,7 +252,7 @@ def test_token_read_across_hosts_is_exact_or_typed_never_reused(pair, event, whe
             held.append(prod.ask(("status", rid)))
 
         def stop():
-            os.kill(prod.proc.pid, signal.SIGSTOP)
+            freeze(prod.proc.pid)
 
         def resume_after_a_second():
             time.sleep(1.0)   # the producer stays stopped for a second: the case's own duration
@@ -272,7 +272,8 @@ def test_token_read_across_hosts_is_exact_or_typed_never_reused(pair, event, whe
         elif event == "expiry":
             kw["lease"] = {"before": 0.3, "during": 0.02, "after": AFTER_LEASE}[when]
             if when != "during":
-                kw[when] = (lambda: _reused(prod, rid)) if when == "before" else (lambda: (status(), _reused(prod, rid)))
+                kw[when] = ((lambda: _reused(prod, rid)) if when == "before"
+                            else (lambda: (status(), _reused(prod, rid))))
         elif event == "abort":
             abort = lambda: pair.cons.ask(("abort", rid, prod.address_tuple))  # noqa: E731
             kw[when] = {"before": lambda: (abort(), _reused(prod, rid)), "during": abort,
