@@ -235,6 +235,9 @@ def test_an_event_after_the_move_before_the_look(event, producer, cons, claims):
                 os.kill(producer.pid, signal.SIGCONT)
         assert held == ["held"], f"{rid}: the hold had ended before its move completed ({held})"
         assert _reused(producer, rid)
+        # the abort went out on the producer's lane (wait=False: the hook may run on kvxfer's own
+        # thread); a lane still busy with it would send the next read through the claim
+        assert wait_until(lambda: agent._lanes.idle(producer.address), 10)
         _settled(agent)
         producer.ask(("reset",))
     want_outcomes = {"release": {"LeaseExpiredError"}, "expiry": {"LeaseExpiredError"},

@@ -71,7 +71,7 @@ def _consumer(cmd, out, host, spec_kwargs, moved, go) -> None:
     ``("read", address, dst, src, rid, token, timeout, hook)`` starts a token read (with ``hook``,
     once its move completed it sets ``moved`` and waits for ``go`` before its look);
     ``("abort", rid, address)``; ``("wait", timeout)``: the last read's outcome,
-    ``(name, digest of dst, by_token, claims sent)``."""
+    ``(name, digest of dst, by_token, claims sent since the read started)``."""
     host.enter()
     os.environ["UCX_TLS"] = "tcp"
     from kvxfer import Agent, AgentConfig, HoldToken, KvxferError, ReadRequest
@@ -93,7 +93,7 @@ def _consumer(cmd, out, host, spec_kwargs, moved, go) -> None:
         cache = cache_for(spec, 99)
         agent.register(cache)
         out.put(("ready", host.address))
-        handle, dst = None, []
+        handle, dst, base = None, [], 0
         while True:
             what = cmd.get(timeout=600)
             if what == "stop":
@@ -103,6 +103,7 @@ def _consumer(cmd, out, host, spec_kwargs, moved, go) -> None:
                 link = agent.connect(*args[0], refresh=True)
                 out.put(bool(link.info.hold_words_addr))
             elif op == "read":
+                base = claims["n"]   # the claims this read sends are counted from here
                 address, dst, src, rid, wire, timeout, hook = args
                 for t in cache:
                     t[:, dst] = SENTINEL
@@ -111,7 +112,10 @@ def _consumer(cmd, out, host, spec_kwargs, moved, go) -> None:
                     handle = agent.read_many([ReadRequest(tuple(address), dst, src, rid, timeout, token=token)])[0]
                 out.put("started")
             elif op == "abort":
-                agent.abort(args[0], remote=tuple(args[1]), wait=False)
+                # wait=True: the abort goes out on this thread, not on the producer's lane; a lane
+                # still busy with it would send the next read through the claim (submit.py's
+                # ``lanes.idle``), which is not the token path these cases test
+                agent.abort(args[0], remote=tuple(args[1]))
                 out.put(True)
             elif op == "wait":
                 try:
@@ -119,7 +123,7 @@ def _consumer(cmd, out, host, spec_kwargs, moved, go) -> None:
                     name, by_token = "exact", stats.by_token
                 except KvxferError as exc:
                     name, by_token = type(exc).__name__, False
-                out.put((name, _digest(t[:, dst] for t in cache), by_token, claims["n"]))
+                out.put((name, _digest(t[:, dst] for t in cache), by_token, claims["n"] - base))
             else:
                 out.put(ValueError(f"unknown command {what!r}"))
 
@@ -203,16 +207,19 @@ def _read(pair, src, dst, rid, *, lease=None, before=None, during=None, after=No
     cons.moved.clear()
     cons.go.clear()
     cons.cmd.put(("read", prod.address_tuple, dst, src, rid, wire, timeout, after is not None))
+    moved = True
     if after is not None:
         try:
-            assert cons.moved.wait(timeout + 30), f"{rid}: the move never completed"
-            after()
+            moved = cons.moved.wait(timeout + 10)
+            if moved:
+                after()
         finally:
             cons.go.set()
     cons.started()
     if during is not None:
         during()
     name, got, by_token, claims = cons.ask(("wait", timeout + 10), timeout=timeout + 30)
+    assert moved, f"{rid}: the read never reached its look (outcome {name}, {claims} claims sent)"
     return name, by_token, claims, want, got
 
 
