@@ -148,6 +148,9 @@ def test_ipc_token_read_is_exact_or_typed_never_reused(gpu_pair, claims, event, 
         # every hold ends and its blocks are reused before the cache is refilled (a late reuse
         # would otherwise land in a later trial's held blocks)
         assert _reused(prod, rid), f"{rid}: its blocks never came back"
+        # an abort(wait=False) goes out on the producer's lane; a lane still busy with it would
+        # send the next read through the claim (docs/reliability.md, the claim's fallbacks)
+        assert wait_until(lambda: cons._lanes.idle(tuple(prod.address)), 10)
         prod.ask(("reset",))
     assert set(outcomes) <= EXPECTED[(event, when)], outcomes
     assert claims["n"] == 0, f"token reads sent {claims['n']} claims"
