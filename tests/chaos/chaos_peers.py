@@ -1,7 +1,8 @@
 """Helpers for the chaos tests: kvxfer agents in their own processes over real NIXL + ZMQ,
 driven by tuple commands, whose engine *reuses* blocks the moment ``finished()`` says they are free.
 
-``Peer`` runs one agent (registered, listening) in a spawned process. Commands (``ask``):
+``Peer`` runs one agent (registered, listening) in a spawned process; its engine and the hold and
+token commands are the token tests' shared ones (tests/token_faults.py). Commands (``ask``):
 
 * ``("hold", rid, blocks, lease, reuse)``: hold ``blocks``; with ``reuse`` the agent's engine
   overwrites them with ``REUSED`` as soon as ``finished()`` reports ``rid`` sent or expired
@@ -25,7 +26,6 @@ driven by tuple commands, whose engine *reuses* blocks the moment ``finished()``
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import threading
 import time
 
@@ -33,6 +33,8 @@ import numpy as np
 
 from kvxfer import Agent, AgentConfig, KvxferError, KVSpec
 from kvxfer.testing import ProducerProcess, free_port_block, spin_python
+# freeze and wait_until are re-exported for the chaos modules
+from token_faults import NOT_MINE, ReusingEngine, freeze, token_command, wait_until  # noqa: F401
 
 #: The value a reusing engine writes into blocks it got back.
 REUSED = 0xDEAD
@@ -57,36 +59,6 @@ def rss() -> int:
     return 0
 
 
-class _Engine:
-    """The serving engine around an agent: reuses blocks once ``finished()`` says they are free."""
-
-    def __init__(self, agent: Agent, cache: list[np.ndarray]) -> None:
-        self.agent, self.cache = agent, cache
-        self.blocks: dict[str, list[int]] = {}
-        self.reused: list[str] = []
-        self.freed: list[tuple[str, str]] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop:
-            fin = self.agent.finished()
-            for why, rids in (("sent", fin.sent), ("expired", fin.expired), ("aborted", fin.aborted)):
-                for rid in sorted(rids):
-                    self.freed.append((rid, why))
-                    ids = self.blocks.pop(rid, None)
-                    if ids is not None:
-                        for t in self.cache:
-                            t[:, ids] = REUSED
-                        self.reused.append(rid)
-            time.sleep(0.0005)
-
-    def stop(self) -> None:
-        self._stop = True
-        self._thread.join(2)
-
-
 def _serve(cmd, out, spec_kwargs: dict, seed: int, port: int, cfg: dict) -> None:
     spec = KVSpec(**spec_kwargs)
     config = AgentConfig(**{"side_channel_host": "127.0.0.1", **cfg}, side_channel_port=port)
@@ -94,8 +66,8 @@ def _serve(cmd, out, spec_kwargs: dict, seed: int, port: int, cfg: dict) -> None
         cache = cache_for(spec, seed)
         agent.register(cache)
         agent.listen()
-        engine = _Engine(agent, cache)
-        engine.seed = seed
+        engine = ReusingEngine(agent, lambda ids: _overwrite(cache, ids))
+        engine.cache, engine.seed = cache, seed
         handles = []
         out.put(("ready", agent.address))
         while True:
@@ -106,14 +78,16 @@ def _serve(cmd, out, spec_kwargs: dict, seed: int, port: int, cfg: dict) -> None
             out.put(_answer(agent, engine, handles, what))
 
 
-def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
+def _overwrite(cache: list[np.ndarray], ids: list[int]) -> None:
+    for t in cache:
+        t[:, ids] = REUSED
+
+
+def _answer(agent: Agent, engine: ReusingEngine, handles: list, what: tuple):
     op, args = what[0], what[1:]
-    if op == "hold":
-        rid, blocks, lease, reuse = args
-        agent.hold(rid, blocks, lease=lease)
-        if reuse:
-            engine.blocks[rid] = list(blocks)
-        return True
+    answer = token_command(agent, engine, op, args)
+    if answer is not NOT_MINE:
+        return answer
     if op == "reset":  # the cache back to its seeded bytes (after earlier cases reused blocks)
         for t, fresh in zip(engine.cache, cache_for(agent.spec, engine.seed)):
             t[...] = fresh
@@ -122,32 +96,12 @@ def _answer(agent: Agent, engine: _Engine, handles: list, what: tuple):
         for rid, blocks in args[0]:
             agent.hold(rid, blocks)
         return True
-    if op == "release":
-        return agent.release(args[0])
-    if op == "token":  # the hold's token as it travels (issue 35), or None
-        token = agent.hold_token(args[0])
-        return token.wire() if token is not None else None
-    if op == "hold_token":  # ``hold`` and its token in one answer (a short lease may end before a second ask)
-        rid, blocks, lease, reuse = args
-        agent.hold(rid, blocks, lease=lease)
-        if reuse:
-            engine.blocks[rid] = list(blocks)
-        token = agent.hold_token(rid)
-        return token.wire() if token is not None else None
-    if op == "stats":
-        return dataclasses.asdict(agent.stats())
     if op == "rss":
         return rss()
-    if op == "reused":
-        return list(engine.reused)
-    if op == "freed":
-        return list(engine.freed)
     if op == "spin":
         return spin_python(args[0])
     if op == "seize":
         return _seize(*args)
-    if op == "status":
-        return agent.status(args[0]).value
     if op == "die_after_grant":
         _die_after_grant(agent, args[0])
         return True
@@ -236,22 +190,6 @@ def consumer(spec: KVSpec, seed: int = 99, **cfg) -> tuple[Agent, list[np.ndarra
     return agent, cache
 
 
-def freeze(pid: int, timeout: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and return once it is really stopped (``kill`` returns before the target
-    has stopped; a request sent in between could still be answered)."""
-    import os
-    import signal
-
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-    if not wait_until(stopped, timeout, step=0.001):
-        raise RuntimeError(f"process {pid} did not stop within {timeout} s")
-
-
 def fill(cache: list[np.ndarray], ids, value: int = SENTINEL) -> None:
     for t in cache:
         t[:, list(ids)] = value
@@ -259,16 +197,6 @@ def fill(cache: list[np.ndarray], ids, value: int = SENTINEL) -> None:
 
 def blocks_of(cache: list[np.ndarray], ids) -> list[np.ndarray]:
     return [t[:, list(ids)].copy() for t in cache]
-
-
-def wait_until(fn, timeout: float = 10.0, step: float = 0.02):
-    """Poll ``fn`` until it returns something truthy (returned) or ``timeout`` passes (last value)."""
-    deadline = time.monotonic() + timeout
-    got = fn()
-    while not got and time.monotonic() < deadline:
-        time.sleep(step)
-        got = fn()
-    return got
 
 
 def idle(stats: dict) -> bool:

@@ -1,15 +1,17 @@
 """Chaos with hold tokens (issue 35): reads that claim nothing are exact or typed, never reused bytes.
 
 Real processes, real NIXL (UCX over TCP by default; ``KVXFER_CHAOS_TLS=default`` for UCX's own
-choice), the producer's real hold words under /dev/shm. The producer's engine overwrites a hold's
-blocks with ``REUSED`` the moment ``finished()`` lists it (``chaos_peers._Engine``), so a read that
-succeeded with bytes of a hold that had ended shows up as wrong bytes. Every token read here is
-checked to have sent no claim. docs/reliability.md ("hold tokens") lists the cases.
+choice: shared memory), the producer's real hold words under /dev/shm. The producer's engine
+overwrites a hold's blocks with ``REUSED`` the moment ``finished()`` lists it
+(``token_faults.ReusingEngine``), so a read that succeeded with bytes of a hold that had ended
+shows up as wrong bytes. Every token read here is checked to have sent no claim. Release, expiry,
+the consumer's abort, SIGKILL and SIGSTOP of the producer, each before, during and after the move
+("after": the move completed, the word not yet looked at; ``token_faults.after_the_move``), three
+trials each; docs/reliability.md ("hold tokens", the fault matrix) lists the cases.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import time
@@ -17,15 +19,17 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer import AbortedError, HoldToken, KvxferError, KVSpec, LeaseExpiredError, ReadRequest
-from kvxfer.agent.claims import Claims
+from kvxfer import AbortedError, HoldToken, KVSpec, LeaseExpiredError, ReadRequest
 
 from chaos_peers import BIG, Peer, blocks_of, consumer, fill, freeze, idle, wait_until
+from token_faults import TYPED, after_the_move, count_claims, outcome, split_ids
 
 TRIALS = 3
 SEED = 11
 #: blocks per read: 120 x 256 KiB = 30 MiB, long enough over TCP for a signal to land mid-move
 SIZE = 120
+#: the lease of a hold that must outlive its move and end before the look ("expiry after")
+AFTER_LEASE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +49,11 @@ def cons():
 @pytest.fixture
 def claims(monkeypatch):
     """Counts the claims this (consumer) process sends: a token read must send none."""
-    seen = {"n": 0}
-    for name in ("try_send_many", "send_many"):
-        real = getattr(Claims, name)
-
-        def counted(self, items, *args, _real=real, **kw):
-            seen["n"] += len(items)
-            return _real(self, items, *args, **kw)
-
-        monkeypatch.setattr(Claims, name, counted)
-    return seen
+    return count_claims(monkeypatch.setattr)
 
 
 def _ids(trial: int, salt: int) -> tuple[list[int], list[int]]:
-    rng = np.random.default_rng(1000 * salt + trial)
-    ids = rng.permutation(BIG["num_blocks"])[: 2 * SIZE]
-    return ids[:SIZE].tolist(), ids[SIZE:].tolist()
+    return split_ids(BIG["num_blocks"], SIZE, trial, salt)
 
 
 def _hold(prod: Peer, rid: str, src: list[int], lease=None):
@@ -75,15 +68,13 @@ def _read(agent, prod_address, dst, src, rid, token, timeout=20.0):
     return agent.read_many([ReadRequest(prod_address, dst, src, rid, timeout, token=token)])[0]
 
 
-def _outcome(handle, cache, dst, want, timeout=25.0) -> str:
+def _outcome(handle, cache, dst, want, timeout=25.0, by_token=True) -> str:
     """"exact" (the held bytes, checked) or the typed error's name; never reused bytes."""
-    try:
-        handle.wait(timeout)
-    except KvxferError as exc:
-        return type(exc).__name__
-    for got, exp in zip(blocks_of(cache, dst), want):
-        np.testing.assert_array_equal(got, exp, err_msg="a token read succeeded with bytes other than the held ones")
-    return "exact"
+    def check():
+        for got, exp in zip(blocks_of(cache, dst), want):
+            np.testing.assert_array_equal(got, exp, err_msg="a read succeeded with bytes other than the held ones")
+
+    return outcome(handle, check, timeout, by_token=by_token)
 
 
 def _settled(agent) -> None:
@@ -92,8 +83,15 @@ def _settled(agent) -> None:
     assert wait_until(lambda: idle(dataclasses.asdict(agent.stats())), 10), agent.stats()
 
 
+def _reused(prod: Peer, rid: str, timeout: float = 10.0) -> bool:
+    """The hold of ``rid`` ended and the producer's engine overwrote its blocks."""
+    return wait_until(lambda: rid in prod.ask(("reused",)), timeout)
+
+
 def _drop_table(pid: int) -> None:
     """A SIGKILLed producer leaves its table's file behind: remove it (the test made it)."""
+    import glob
+
     for path in glob.glob(f"/dev/shm/kvxfer-holds-*-{pid}"):
         os.unlink(path)
 
@@ -107,7 +105,7 @@ def test_release_before_the_move_fails_the_token_read_typed(producer, cons, clai
         rid = f"tok-rel-before-{trial}"
         want, token = _hold(producer, rid, src)
         producer.ask(("release", rid))
-        assert wait_until(lambda: rid in producer.ask(("reused",)), 10)  # the blocks hold other bytes now
+        assert _reused(producer, rid)  # the blocks hold other bytes now
         fill(cache, dst)
         assert _outcome(_read(agent, producer.address, dst, src, rid, token), cache, dst, want) == "LeaseExpiredError"
         _settled(agent)
@@ -140,24 +138,6 @@ def test_release_during_the_move_is_exact_or_typed_never_reused(producer, cons, 
     assert claims["n"] == 0
 
 
-def test_release_after_the_move_leaves_an_exact_read(producer, cons, claims):
-    agent, cache = cons
-    agent.connect(*producer.address)
-    for trial in range(TRIALS):
-        src, dst = _ids(trial, 3)
-        rid = f"tok-rel-after-{trial}"
-        want, token = _hold(producer, rid, src)
-        fill(cache, dst)
-        handle = _read(agent, producer.address, dst, src, rid, token)
-        assert _outcome(handle, cache, dst, want) == "exact"
-        producer.ask(("release", rid))
-        assert wait_until(lambda: rid in producer.ask(("reused",)), 10)
-        for got, exp in zip(blocks_of(cache, dst), want):   # the engine's reuse never reached the consumer
-            np.testing.assert_array_equal(got, exp)
-    assert claims["n"] == 0
-    producer.ask(("reset",))
-
-
 # ---- expiry and abort ------------------------------------------------------------------------
 def test_expiry_before_or_during_the_move_is_typed_or_exact(producer, cons, claims):
     agent, cache = cons
@@ -167,7 +147,7 @@ def test_expiry_before_or_during_the_move_is_typed_or_exact(producer, cons, clai
         src, dst = _ids(trial, 4)
         rid = f"tok-exp-{trial}"
         want, token = _hold(producer, rid, src, lease=0.3)
-        time.sleep(0.6)                   # expired before the read
+        assert _reused(producer, rid)     # expired (and its blocks overwritten) before the read
         fill(cache, dst)
         assert _outcome(_read(agent, producer.address, dst, src, rid, token), cache, dst, want) == "LeaseExpiredError"
         rid = f"tok-exp-during-{trial}"
@@ -178,6 +158,25 @@ def test_expiry_before_or_during_the_move_is_typed_or_exact(producer, cons, clai
         producer.ask(("reset",))
     assert set(outcomes) <= {"exact", "LeaseExpiredError"}, outcomes
     assert claims["n"] == 0
+
+
+def test_consumer_abort_before_the_move_fails_the_token_read_typed(producer, cons, claims):
+    """The consumer aborts the request before reading it (``abort(remote=)``): the producer ends
+    the hold (its word changes first) and the engine reuses the blocks; the read is typed."""
+    agent, cache = cons
+    agent.connect(*producer.address)
+    for trial in range(TRIALS):
+        src, dst = _ids(trial, 11)
+        rid = f"tok-abort-before-{trial}"
+        want, token = _hold(producer, rid, src)
+        agent.abort(rid, remote=producer.address)
+        assert _reused(producer, rid), "the abort did not free the hold"
+        fill(cache, dst)
+        got = _outcome(_read(agent, producer.address, dst, src, rid, token), cache, dst, want)
+        assert got in ("LeaseExpiredError", "AbortedError"), got
+        _settled(agent)
+    assert claims["n"] == 0
+    producer.ask(("reset",))
 
 
 def test_consumer_abort_mid_move_is_typed_and_frees_the_hold(producer, cons, claims):
@@ -192,17 +191,69 @@ def test_consumer_abort_mid_move_is_typed_and_frees_the_hold(producer, cons, cla
         agent.abort(rid)
         got = _outcome(handle, cache, dst, want)
         assert got in ("AbortedError", "exact"), got   # exact: the move completed before the abort
-        assert wait_until(lambda: rid in producer.ask(("reused",)), 10), "the abort did not free the hold"
+        assert _reused(producer, rid), "the abort did not free the hold"
         _settled(agent)
         producer.ask(("reset",))
     assert claims["n"] == 0
     assert issubclass(AbortedError, LeaseExpiredError)
 
 
+# ---- after the move: the bytes moved, the word not yet looked at --------------------------------
+@pytest.mark.parametrize("event", ["release", "expiry", "abort", "sigstop"])
+def test_an_event_after_the_move_before_the_look(event, producer, cons, claims):
+    """The move of a token read has completed and the consumer has not yet looked at the word when
+    the hold ends (release, expiry, the consumer's abort: every one is typed, as the word changed
+    before the look) or the producer is stopped (exact: on this host the look is a load from the
+    mapped table and needs no producer CPU; the read completes while the producer is stopped)."""
+    agent, cache = cons
+    agent.connect(*producer.address)
+    outcomes = []
+    for trial in range(TRIALS):
+        src, dst = _ids(trial, 12)
+        rid = f"tok-after-{event}-{trial}"
+        want, token = _hold(producer, rid, src, lease=AFTER_LEASE if event == "expiry" else None)
+        held = []
+
+        def act():
+            held.append(producer.ask(("status", rid)))   # the hold still stood when the move completed
+            if event == "release":
+                producer.ask(("release", rid))
+            elif event == "abort":
+                agent.abort(rid, wait=False)
+            elif event == "sigstop":
+                freeze(producer.pid)
+                return
+            assert _reused(producer, rid), f"{rid}: the hold did not end"
+
+        fill(cache, dst)
+        with after_the_move(act):
+            handle = _read(agent, producer.address, dst, src, rid, token)
+        try:
+            outcomes.append(_outcome(handle, cache, dst, want))
+        finally:
+            if event == "sigstop":
+                os.kill(producer.pid, signal.SIGCONT)
+        assert held == ["held"], f"{rid}: the hold had ended before its move completed ({held})"
+        assert _reused(producer, rid)
+        # the abort went out on the producer's lane (wait=False: the hook may run on kvxfer's own
+        # thread); a lane still busy with it would send the next read through the claim
+        assert wait_until(lambda: agent._lanes.idle(producer.address), 10)
+        _settled(agent)
+        producer.ask(("reset",))
+    want_outcomes = {"release": {"LeaseExpiredError"}, "expiry": {"LeaseExpiredError"},
+                     "abort": {"LeaseExpiredError", "AbortedError"}, "sigstop": {"exact"}}[event]
+    assert set(outcomes) <= want_outcomes, outcomes
+    assert claims["n"] == 0
+
+
 # ---- the producer killed or stopped ------------------------------------------------------------
 @pytest.mark.parametrize("when", ["before", "during", "after"])
 def test_producer_sigkilled_around_the_move(when, claims):
+    """SIGKILL before the read, while it moves, or after the move and before the look: nobody
+    reuses a killed producer's blocks, so the held bytes (the word in the mapped table still equals
+    the token) or a typed error; "before" is typed (nothing answers the move)."""
     agent, cache = consumer(KVSpec(**BIG), seed=98)
+    outcomes = []
     try:
         for trial in range(TRIALS):
             prod = Peer(KVSpec(**BIG), SEED + trial)
@@ -212,18 +263,20 @@ def test_producer_sigkilled_around_the_move(when, claims):
                 rid = f"tok-kill-{when}-{trial}"
                 want, token = _hold(prod, rid, src)
                 fill(cache, dst)
-                if when == "before":
+
+                def kill(prod=prod):
                     os.kill(prod.pid, signal.SIGKILL)
                     prod.proc.join(10)
-                handle = _read(agent, prod.address, dst, src, rid, token, timeout=8)
+
+                if when == "before":
+                    kill()
+                with after_the_move(kill if when == "after" else (lambda: None)):
+                    handle = _read(agent, prod.address, dst, src, rid, token, timeout=3 if when == "before" else 8)
                 if when == "during":
                     os.kill(prod.pid, signal.SIGKILL)
-                got = _outcome(handle, cache, dst, want, timeout=15)
+                outcomes.append(_outcome(handle, cache, dst, want, timeout=15))
                 if when == "after":
-                    assert got == "exact", got
-                    os.kill(prod.pid, signal.SIGKILL)
-                else:
-                    assert got == "exact" or got.endswith("Error"), got
+                    assert not prod.proc.is_alive(), "the move never completed"
                 prod.proc.join(10)
             finally:
                 if prod.proc.is_alive():
@@ -232,13 +285,17 @@ def test_producer_sigkilled_around_the_move(when, claims):
                 _drop_table(prod.pid)
     finally:
         agent.close()
+    assert set(outcomes) <= TYPED | {"exact"}, outcomes
+    if when == "before":
+        assert "exact" not in outcomes, outcomes
     assert claims["n"] == 0
 
 
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_producer_sigstopped_around_the_move(when, producer, cons, claims):
     """A stopped producer changes no word: over TCP the move waits for it and completes exactly
-    once it runs again (or the read times out, typed); a release once it runs fails the read."""
+    once it runs again (or the read times out, typed); a release once it runs fails the read.
+    (After the move: ``test_an_event_after_the_move_before_the_look[sigstop]``.)"""
     agent, cache = cons
     agent.connect(*producer.address)
     outcomes = []
@@ -252,7 +309,7 @@ def test_producer_sigstopped_around_the_move(when, producer, cons, claims):
         handle = _read(agent, producer.address, dst, src, rid, token, timeout=10)
         if when == "during":
             freeze(producer.pid)
-        time.sleep(1.0)
+        time.sleep(1.0)   # the producer stays stopped for a second: the case's own duration, not a wait
         os.kill(producer.pid, signal.SIGCONT)
         outcomes.append(_outcome(handle, cache, dst, want, timeout=15))
         _settled(agent)
@@ -275,7 +332,8 @@ def test_a_token_aware_consumer_of_a_producer_without_a_table_claims(cons, claim
 
         token = HoldToken(0, 1, hold_tag("tok-old", src))   # a token from elsewhere: the claim decides
         fill(cache, dst)
-        assert _outcome(_read(agent, old.address, dst, src, "tok-old", token), cache, dst, want) == "exact"
+        assert _outcome(_read(agent, old.address, dst, src, "tok-old", token), cache, dst, want,
+                        by_token=False) == "exact"
         assert claims["n"] == 1
     finally:
         old.stop()
@@ -287,6 +345,7 @@ def test_a_consumer_without_tokens_reads_a_new_producer_through_the_claim(produc
     src, dst = _ids(0, 9)
     want, _ = _hold(producer, "tok-none", src)
     fill(cache, dst)
-    assert _outcome(agent.read(producer.address, dst, src, "tok-none", timeout=20), cache, dst, want) == "exact"
+    assert _outcome(agent.read(producer.address, dst, src, "tok-none", timeout=20), cache, dst, want,
+                    by_token=False) == "exact"
     assert claims["n"] == 1
     producer.ask(("reset",))

@@ -1,17 +1,15 @@
 """A GPU producer whose engine reuses blocks the moment ``finished()`` reports them free (tests only).
 
 Commands (tuples): ``("hold", rid, blocks, lease)``, ``("hold_token", rid, blocks, lease)`` (answers
-the hold's token as it travels, issue 35), ``("reset",)`` (the cache back to its seed), ``("release", rid)``, ``("reused",)`` (rids
-overwritten so far), ``("stats",)`` (``Agent.stats()`` as a dict), ``"stop"``.
+the hold's token as it travels, issue 35), ``("release", rid)``, ``("reused",)`` (rids overwritten so
+far), ``("status", rid)``, ``("stats",)`` (``Agent.stats()`` as a dict): the token tests' shared
+engine and commands (tests/token_faults.py); ``("reset",)`` (the cache back to its seed), ``"stop"``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-import time
-
 from kvxfer.testing import ProducerProcess
+from token_faults import NOT_MINE, ReusingEngine, token_command
 
 from .agent_peers import device_cache
 
@@ -32,52 +30,30 @@ def _producer(cmd, out, spec_kwargs, seed, port, device, cfg) -> None:
         torch.cuda.synchronize()
         agent.register(cache)
         agent.listen()
-        blocks: dict[str, list[int]] = {}
-        reused: list[str] = []
-        stop = threading.Event()
 
-        def engine() -> None:  # the serving engine: reuse blocks as soon as they are free
-            while not stop.is_set():
-                fin = agent.finished()
-                for rid in sorted(fin.freed):
-                    ids = blocks.pop(rid, None)
-                    if ids is not None:
-                        for t in cache:
-                            t[:, ids] = REUSED
-                        torch.cuda.synchronize()
-                        reused.append(rid)
-                time.sleep(0.0005)
+        def overwrite(ids: list[int]) -> None:  # the serving engine reuses blocks as soon as they are free
+            for t in cache:
+                t[:, ids] = REUSED
+            torch.cuda.synchronize()
 
-        thread = threading.Thread(target=engine, daemon=True)
-        thread.start()
+        engine = ReusingEngine(agent, overwrite)
         out.put(("ready", agent.address))
         while True:
             what = cmd.get(timeout=300)
             if what == "stop":
-                stop.set()
-                thread.join(2)
+                engine.stop()
                 return
             op = what[0]
-            if op == "hold":
-                agent.hold(what[1], what[2], lease=what[3])
-                blocks[what[1]] = list(what[2])
-                out.put(True)
-            elif op == "hold_token":  # issue 35: hold and answer the hold's token (``HoldToken.wire()``)
-                agent.hold(what[1], what[2], lease=what[3])
-                blocks[what[1]] = list(what[2])
-                token = agent.hold_token(what[1])
-                out.put(token.wire() if token is not None else None)
+            answer = token_command(agent, engine, op, what[1:])
+            if answer is not NOT_MINE:
+                out.put(answer)
             elif op == "reset":  # the cache back to its seeded bytes (earlier trials reused blocks)
                 for t, fresh in zip(cache, device_cache(spec, seed, device)):
                     t.copy_(fresh)
                 torch.cuda.synchronize()
                 out.put(True)
-            elif op == "release":
-                out.put(agent.release(what[1]))
-            elif op == "reused":
-                out.put(list(reused))
-            elif op == "stats":
-                out.put(dataclasses.asdict(agent.stats()))
+            else:
+                out.put(ValueError(f"unknown command {what!r}"))
 
 
 class OwnerProducer(ProducerProcess):
