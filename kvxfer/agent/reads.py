@@ -283,6 +283,13 @@ class ReadFlow:
                     r.sent = None
             if not routed:
                 return
+            if len(links) == 1 and not notify_only:
+                # a read by its hold token claims nothing on the lane either (a new peer's first
+                # reads, reads queued behind other lane work); the rest claim below
+                routed = self._start_tokened([r for r in routed if r.sent is None], links) + [
+                    r for r in routed if r.sent is not None]
+                if not routed:
+                    return
             lost = self._claim([r for r in routed if r.sent is None], links + notify_only)
             if lost and attempt == 1:
                 for link in links + notify_only:

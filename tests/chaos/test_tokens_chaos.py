@@ -349,3 +349,20 @@ def test_a_consumer_without_tokens_reads_a_new_producer_through_the_claim(produc
                     by_token=False) == "exact"
     assert claims["n"] == 1
     producer.ask(("reset",))
+
+
+# ---- the lane ------------------------------------------------------------------------------
+def test_a_fresh_consumers_first_token_read_claims_nothing(producer, claims):
+    """A consumer that never met the producer reads at once (no ``connect()``): the handshake runs
+    on the producer's lane, and the read it carries after it goes by its token too, exact."""
+    agent, cache = consumer(KVSpec(**BIG), seed=7)
+    try:
+        src, dst = _ids(0, 9)
+        want, token = _hold(producer, "tok-fresh", src)
+        fill(cache, dst)
+        handle = _read(agent, producer.address, dst, src, "tok-fresh", token)
+        assert _outcome(handle, cache, dst, want) == "exact"
+        assert claims["n"] == 0
+    finally:
+        agent.close()
+    producer.ask(("reset",))
