@@ -84,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
                         "per block against kvxfer with the claim and with the hold token (kvxfer.bench.busyhosts)")
     p.add_argument("--reads", type=int, default=20, help="--busy-engine: reads per row")
     p.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
-                   help="--busy-engine: NIXL's progress thread in kvxfer's agents (AgentConfig.nixl_progress_thread; "
-                        "raw NIXL always runs it, as vLLM does)")
+                   help="NIXL's progress thread in every agent of the run (AgentConfig.nixl_progress_thread, "
+                        "through KVXFER_NIXL_PROGRESS_THREAD for the spawned processes; --busy-engine: kvxfer's "
+                        "agents only, raw NIXL always runs it, as vLLM does); auto: the environment's setting")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="--busy-engine: the interpreter's switch interval in both processes, seconds "
                         "(AgentConfig.switch_interval; default: CPython's 5 ms)")
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return _busy_hosts(args, argv)
     if args.busy_engine:
         return _busy(args, argv)
+    if args.nixl_progress_thread != "auto":  # the workers (and the two hosts' processes) read it from here
+        os.environ["KVXFER_NIXL_PROGRESS_THREAD"] = "1" if args.nixl_progress_thread == "on" else "0"
     try:
         if args.two_hosts:
             from kvxfer.bench import twohosts  # noqa: PLC0415
