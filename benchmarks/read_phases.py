@@ -81,13 +81,19 @@ def _cache(spec: KVSpec, device: str, seed: int):
             for s in shapes]
 
 
-def producer(spec, device, port, holds, ready, stop) -> None:
+def producer(spec, device, port, holds, ready, stop, tokens) -> None:
     cache = _cache(spec, device, 1)
     with Agent("producer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=port)) as ag:
         ag.register(cache)
         ag.listen()
+        wires = {}
         for rid, ids in holds:
             ag.hold(rid, ids)
+            token = ag.hold_token(rid) if tokens is not None else None
+            if token is not None:
+                wires[rid] = token.wire()
+        if tokens is not None:
+            tokens.put(wires)
         ready.set()
         stop.wait(600)
 
@@ -111,6 +117,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests per step (one read_many)")
     ap.add_argument("--reads", type=int, default=30, help="timed steps")
     ap.add_argument("--port", type=int, default=5950)
+    ap.add_argument("--hold-tokens", action="store_true", help="reads carry the producer's hold tokens (issue 35)")
+    ap.add_argument("--profile", action="store_true", help="also cProfile read_many (the caller's time, by function)")
     args = ap.parse_args()
     per = args.tokens // SHAPE["block_size"]
     blocks = per * args.batch
@@ -122,10 +130,20 @@ def main() -> None:
     holds = [(rid, src[j * per:(j + 1) * per]) for step in steps for j, rid in enumerate(step)]
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=producer, args=(spec, args.device, args.port, holds, ready, stop), daemon=True)
+    queue = ctx.Queue() if args.hold_tokens else None
+    proc = ctx.Process(target=producer, args=(spec, args.device, args.port, holds, ready, stop, queue), daemon=True)
     proc.start()
+    wires = queue.get(timeout=300) if queue is not None else {}
     if not ready.wait(300):
         raise SystemExit("producer did not start")
+    from kvxfer import HoldToken
+
+    held = {rid: HoldToken.from_wire(w) for rid, w in wires.items()}
+    profile = None
+    if args.profile:
+        import cProfile
+
+        profile = cProfile.Profile()
     cache = _cache(spec, args.device, 2)
     for step in STEPS:
         _wrap(*step)
@@ -136,12 +154,19 @@ def main() -> None:
     with Agent("consumer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1",
                                                       side_channel_port=args.port + 1)) as ag:
         ag.register(cache)
+        if held:
+            ag.connect(*remote)  # token reads start on the caller's thread once the producer is known
         for i, step in enumerate(steps):
             EVENTS.clear()
-            requests = [ReadRequest(remote, dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per], rid, timeout=60)
+            requests = [ReadRequest(remote, dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per], rid, timeout=60,
+                                    token=held.get(rid))
                         for j, rid in enumerate(step)]
             t0, c0 = time.perf_counter(), time.thread_time()
+            if profile is not None and i >= warm:
+                profile.enable()
             handles = ag.read_many(requests)
+            if profile is not None:
+                profile.disable()
             _mark("read_many returned")
             call = (time.perf_counter() - t0, time.thread_time() - c0)
             stats = [h.wait(60) for h in handles]
@@ -150,7 +175,7 @@ def main() -> None:
                 continue
             totals.append(time.perf_counter() - t0)
             calls.append(call)
-            modes.update(s.mode for s in stats)
+            modes.update(s.mode + (" by token" if getattr(s, "by_token", False) else "") for s in stats)
             first: dict = {}
             last: dict = {}
             for t, thread, label in EVENTS:
@@ -172,6 +197,10 @@ def main() -> None:
     print(f"  {'us after the call':>18}  {'thread':9} step (> begins, < ends; first occurrence per step, and last)")
     for (label, thread), times in sorted(offsets.items(), key=lambda kv: med(kv[1])):
         print(f"  {med(times) * 1e6:18.0f}  {thread:9} {label}  (seen in {len(times)})")
+    if profile is not None:
+        import pstats
+
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

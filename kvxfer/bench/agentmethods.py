@@ -61,7 +61,7 @@ def step_ids(ids, batch: int) -> list[np.ndarray]:
 def submit_step(ag, remote, local: list, remote_ids: list, rids: list[str], tokens: list | None = None) -> list:
     """Submit one step of reads and return their handles in order: through the public batch
     API (``Agent.read_many``) where the Agent has it, else as back-to-back ``Agent.read`` calls.
-    ``tokens``: each read's hold token (``kvxfer-token-direct``), or None."""
+    ``tokens``: each read's hold token (``kvxfer-token``, ``kvxfer-token-direct``), or None."""
     if hasattr(ag, "read_many"):
         from kvxfer import ReadRequest  # noqa: PLC0415 - the batch API's request type
 
@@ -203,9 +203,17 @@ def _direct_tokens(options: dict) -> dict:
     return {**options, "transfer_path": "direct", "hold_tokens": True}
 
 
+def _tokens(options: dict) -> dict:
+    """``kvxfer-token``'s options: the run's path (``--gpu-path``; auto takes IPC on one GPU), holds
+    that answer their tokens (issue 35): no claim on any path that reads by token."""
+    return {**options, "hold_tokens": True}
+
+
 CONSUMER = {"kvxfer-agent": agent, "kvxfer-agent-direct": agent, "kvxfer-agent-staged": agent,
-            "kvxfer-token-direct": lambda w, r, t, i, wu, o: agent(w, r, t, i, wu, _direct_tokens(o))}
+            "kvxfer-token-direct": lambda w, r, t, i, wu, o: agent(w, r, t, i, wu, _direct_tokens(o)),
+            "kvxfer-token": lambda w, r, t, i, wu, o: agent(w, r, t, i, wu, _tokens(o))}
 PREPARE = {"kvxfer-agent": hold_agent, "kvxfer-agent-direct": hold_agent, "kvxfer-agent-staged": hold_agent,
-           "kvxfer-token-direct": lambda w, c, r, t, n, o: hold_agent(w, c, r, t, n, _direct_tokens(o))}
+           "kvxfer-token-direct": lambda w, c, r, t, n, o: hold_agent(w, c, r, t, n, _direct_tokens(o)),
+           "kvxfer-token": lambda w, c, r, t, n, o: hold_agent(w, c, r, t, n, _tokens(o))}
 PRODUCER = {"kvxfer-agent": serve_agent, "kvxfer-agent-direct": serve_agent, "kvxfer-agent-staged": serve_agent,
-            "kvxfer-token-direct": serve_agent}
+            "kvxfer-token-direct": serve_agent, "kvxfer-token": serve_agent}

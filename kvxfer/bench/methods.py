@@ -14,7 +14,8 @@ the expected cache. Methods:
 * ``kvxfer-ipc``: ``kvxfer.gpu`` single pass through CUDA IPC (same host only);
 * ``kvxfer-agent``: the public ``kvxfer.Agent`` read path, end to end (CPU and GPU; on GPUs
   ``--gpu-path`` forces the Agent's path: auto, ipc, staged or direct), in
-  ``kvxfer.bench.agentmethods``; Mooncake's rows are in ``kvxfer.bench.mooncake``.
+  ``kvxfer.bench.agentmethods``; ``kvxfer-token`` the same with the producer's hold tokens (no
+  claim; ``kvxfer-token-direct`` forces the direct path); Mooncake's rows are in ``kvxfer.bench.mooncake``.
 """
 
 from __future__ import annotations
