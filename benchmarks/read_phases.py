@@ -201,6 +201,7 @@ def main() -> None:
         import pstats
 
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ __all__ = ["PendingRead", "ReadFlow", "ReadStep", "links_for", "rank_port", "rea
 log = logging.getLogger("kvxfer.agent")
 
 
-@dataclass
+@dataclass(eq=False)  # identity (``r in reads``): never compares the id arrays
 class PendingRead:
     """A read reserved in the engine and queued on its producer's lane."""
 
@@ -209,9 +209,12 @@ class ReadFlow:
         direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]
         if direct:
             self._post_direct_many(direct)
-        for r in tokened:
-            if r.route.mode is TransferPath.IPC and r.live:
-                r.req.handle.done()  # its kernel may have passed already
+        polled: set[int] = set()
+        for r in tokened:  # its kernel may have passed already: one poll per launch completes its group
+            key = id(r.req.group) if r.req.group is not None else id(r)
+            if r.route.mode is TransferPath.IPC and r.live and key not in polled:
+                polled.add(key)
+                r.req.handle.done()
         agent.wake.set()
         chosen = {id(r) for r in tokened}
         return [r for r in routed if id(r) not in chosen]
@@ -398,9 +401,16 @@ class ReadFlow:
             parts, failed = agent.paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
                                                      for r in live])
             for i, (r, read_parts) in enumerate(zip(live, parts)):
-                if r.tokened:  # a lone part's notice, too, goes once the word matched (after success)
+                if r.tokened:
+                    # Its notice goes once the word matched (after success), and on the producer
+                    # rank's done lane (``DoneSender``), not on the thread that completes the read.
+                    by_name = {link.agent_name: link for link in r.route.links}
                     for part in read_parts:
-                        if part.job is None and part.notification:
+                        link = by_name.get(part.peer)
+                        if link is not None:
+                            part.on_done = partial(agent.done.send, link, r.request_id)
+                            part.notification = b""
+                        elif part.job is None and part.notification:
                             part.on_done = partial(agent.backend.notify, part.peer, part.notification)
                             part.notification = b""
                 if i in failed:

@@ -97,7 +97,7 @@ def stop_jobs(jobs: list, clock: Clock, grace: float) -> bool:
         clock.sleep(0.0005)
 
 
-@dataclass
+@dataclass(eq=False)
 class Part:
     """One peer rank's share of a request: a layout ``plan`` the engine runs as a direct or
     host-staged job, or a ``job`` an executor already started (a CUDA IPC kernel, a staged
@@ -113,7 +113,7 @@ class Part:
     ended: bool = False     # cancelled and confirmed: nothing it started writes any more
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a step's membership tests stay O(1), never compare arrays
 class _Request:
     handle: TransferHandle
     direction: Direction
