@@ -117,3 +117,40 @@ def test_through_kvxfer_proxy(servers, pair, vllm_logs):
         assert proxy.client().complete(prompt, MAX_TOKENS).token_ids == want
     finally:
         proxy.stop()
+
+
+def _bytes_moved(client, metric: str, count_before: float, requests: int) -> float:
+    """The ``metric`` histogram's sum once its count has grown by ``requests`` (connector stats
+    reach the API server's /metrics a step or a logging interval after the load)."""
+    deadline = time.monotonic() + 60
+    while client.metric(metric + "_count") - count_before < requests:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{metric}: fewer than {requests} loads counted after 60 s")
+        time.sleep(0.5)
+    return client.metric(metric + "_sum")
+
+
+@pytest.mark.slow  # a measurement: starts vLLM's stock NixlConnector pair too; `make test-slow`
+def test_bytes_per_request_against_stock_nixl(pair, granite, vllm_logs):
+    """The same prompts through vLLM's own NixlConnector and through KvxferConnector: both answer as a
+    single instance does; kvxfer moves equal or fewer bytes. (Measured once on the shared 2-core
+    host: 650,496 bytes each for these three prompts: each Mamba layer's 10,112 bytes of state, not
+    its page's padding, and the attention blocks the n - 1 loaded tokens touch, whole.)"""
+    from test_stock_nixl import STOCK, first_contact
+
+    prompts = [prompt_of(n, seed=900 + n) for n in (100, 129, 300)]
+    p, d = pair
+    refs = [reference(p, x) for x in prompts]
+    with pd_servers("hybrid-ssm-stock", granite, vllm_logs, STOCK, STOCK, p_args=ARGS, d_args=ARGS) as (sp, sd):
+        sp, sd = sp.client(), sd.client()
+        first_contact(sp, sd)
+        metric = "vllm:nixl_bytes_transferred"
+        count, total = sd.metric(metric + "_count"), sd.metric(metric + "_sum")
+        assert [route_pd(sp, sd, x, MAX_TOKENS).token_ids for x in prompts] == refs
+        stock = _bytes_moved(sd, metric, count, len(prompts)) - total
+    metric = "vllm:kvxfer_bytes_transferred"
+    count, total = d.metric(metric + "_count"), d.metric(metric + "_sum")
+    assert [route_pd(p, d, x, MAX_TOKENS).token_ids for x in prompts] == refs
+    ours = _bytes_moved(d, metric, count, len(prompts)) - total
+    print(f"bytes for prompts of 100, 129 and 300 tokens: kvxfer {ours:.0f}, stock NixlConnector {stock:.0f}")
+    assert 0 < ours <= stock, (ours, stock)
