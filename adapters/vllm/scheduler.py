@@ -129,8 +129,9 @@ class KvxferScheduler:
     def _next_turn(self, params: Any) -> bool:
         """A prefill request whose params name a decode instance's blocks of the previous turn (never
         with a state group: a decode's state after decoding is not the state before a prompt's last token)."""
-        return bool(not self._state and self._settings.bidirectional and wants_remote_decode(params) and params.get("remote_block_ids")
-                    and params.get("remote_request_id") and not params.get("_remote_blocks_processed"))
+        return bool(not self._state and self._settings.bidirectional and wants_remote_decode(params)
+                    and params.get("remote_block_ids") and params.get("remote_request_id")
+                    and not params.get("_remote_blocks_processed"))
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params

@@ -5,10 +5,11 @@ page of ``page_bytes`` (padded to the attention groups' page size, since every g
 pool), holding that layer's state tensors one after the other (Mamba2: the conv state, then the
 SSM state). vLLM 0.32's CPU worker hands the connector one byte view per layer,
 ``[num_blocks, 1, 1, state bytes]``, whose block stride is the page; one view per state tensor,
-``[num_blocks, *shape]`` at its offset in the page, is taken too. Such a group is a ``StateSpec`` with one slot per block and
-``slot_stride`` the page; kvxfer registers each layer's pages as one byte array (the memory is
-the attention layers' too: kvxfer registers it once). The tensors are described opaque: they move
-whole, slot to slot, between instances of one TP size (the connector refuses the others).
+``[num_blocks, *shape]`` at its offset in the page, is taken too. Such a group is a
+``StateSpec`` with one slot per block and ``slot_stride`` the page; kvxfer registers each
+layer's pages as one byte array (the memory is the attention layers' too: kvxfer registers it
+once). The tensors are described opaque: they move whole, slot to slot, between instances of one
+TP size (the connector refuses the others). Only a page's state bytes move, never its padding.
 """
 
 from __future__ import annotations

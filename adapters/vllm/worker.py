@@ -26,10 +26,10 @@ from kvxfer import (
 )
 
 from kvxfer_vllm.cache import CacheDescription, describe_cache
-from kvxfer_vllm.state import describe_state
 from kvxfer_vllm.groups import GroupInfo
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.settings import Settings
+from kvxfer_vllm.state import describe_state
 from kvxfer_vllm.stats import KvxferKVConnectorStats
 
 log = logging.getLogger("vllm.kvxfer_vllm.worker")
@@ -167,8 +167,9 @@ class KvxferWorker:
                  agent.engine_id, host, port, len(groups),
                  [(g.name, len(g.layer_names), g.sliding_window) for g in self._groups], num_blocks,
                  desc.spec.heads_per_rank, desc.spec.num_kv_heads, desc.spec.dtype,
-                 "".join(f"; state group {g.name}: tensors {[(t.name, t.dtype, t.opaque_elements) for t in g.spec.tensors]}"
-                         f", pages of {g.spec.slot_stride} bytes" for g in groups if isinstance(g, StateGroup)))
+                 "".join(f"; state group {g.name}: tensors "
+                         f"{[(t.name, t.dtype, t.opaque_elements) for t in g.spec.tensors]}, pages of "
+                         f"{g.spec.slot_stride} bytes" for g in groups if isinstance(g, StateGroup)))
 
     @property
     def single_group(self) -> bool:
