@@ -185,6 +185,9 @@ def test_worker_reads_the_state_page_and_the_attention_blocks_in_one_read(monkey
     cons = _worker(monkeypatch, world, network, "d", 7311)
     try:
         cons.register(d_caches, 24)
+        # the state pages are the attention layers' memory: registered once (plus the hold words)
+        regions = [r for r in prod._agent._backend.registered() if r.length == 24 * PAGE]
+        assert sorted(r.addr for r in regions) == sorted(t.data_ptr() for t in p_shared)
         prod.apply(StepOrders(holds={"r": ((7,), (1, 2, 3, 4))}))
         cons.apply(StepOrders(loads=[LoadOrder("d1", "r", "127.0.0.1", 7310, ((13,), (20, 21, 22, 23)),
                                                ((7,), (1, 2, 3, 4)), 1, 99)]))
