@@ -37,10 +37,11 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     the engine core (a ``KvxferScheduler``) and with role WORKER in each worker (a ``KvxferWorker``).
 
     ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on, so a model of several KV-cache
-    groups (full and sliding-window attention) moves one block list per group, each sliding
-    group's cut to its window (``kvxfer_vllm.groups``). A model of one group takes the one-group
-    path unchanged; a group kind the adapter cannot move (SSM state, ...) fails at start-up,
-    typed, naming the group."""
+    groups (full and sliding-window attention, Mamba state) moves one block list per group, each
+    sliding group's cut to its window, each state group's to its running state's block
+    (``kvxfer_vllm.groups``, ``kvxfer_vllm.state``; the prefill stops one token short). A model of
+    one group takes the one-group path unchanged; a group kind the adapter cannot move (chunked
+    local attention, ...) fails at start-up, typed, naming the group."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig") -> None:

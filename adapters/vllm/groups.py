@@ -2,8 +2,9 @@
 
 With the hybrid manager on, vLLM gives each kind of layer its own group with its own block
 table: full attention, sliding-window attention, SSM state. Here: which groups a request's
-blocks travel in, how a sliding group's list is cut to the blocks its window keeps, and how a
-load's per-group lists line up with the producer's. A model of one group never comes here
+blocks travel in, how a sliding group's list is cut to the blocks its window keeps, how a state
+group's list is cut to the one block holding the running state, and how a load's per-group
+lists line up with the producer's. A model of one group never comes here
 (``groups_of`` returns None): its path is the one-group path, unchanged.
 """
 
@@ -18,15 +19,31 @@ from kvxfer_vllm.extent import load_blocks
 
 
 @dataclass(frozen=True)
+class StateInfo:
+    """A state (vLLM ``MambaSpec``) group's page: the state tensors of one layer in page order
+    (``shapes`` and torch ``dtypes`` as vLLM gives them, TP-local), the page's bytes (padded to the
+    other groups' page size), the speculative scratch blocks after the running state's, and
+    vLLM's ``mamba_cache_mode``."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    page_bytes: int
+    speculative_blocks: int = 0
+    cache_mode: str = "none"
+
+
+@dataclass(frozen=True)
 class GroupInfo:
     """One transferred KV-cache group: its index in vLLM's ``kv_cache_groups``, its kind
-    (``full`` or ``sliding``), the window in tokens (0: full), its block size and layer names."""
+    (``full``, ``sliding`` or ``state``), the window in tokens (0: full), its block size and
+    layer names; ``state``: a state group's page (None for attention)."""
 
     index: int
     kind: str
     sliding_window: int
     block_size: int
     layer_names: tuple[str, ...]
+    state: StateInfo | None = None
 
     @property
     def name(self) -> str:
@@ -37,35 +54,59 @@ class GroupInfo:
         its window's blocks plus one, for a window that does not start on a block boundary."""
         return -(-self.sliding_window // self.block_size) + 1 if self.sliding_window else 0
 
+    def state_block(self, ids: Sequence[int]) -> tuple[int, ...]:
+        """A state group's list cut to the running state's block: the speculative scratch blocks
+        at its end dropped (at least one block stays), then the last (vLLM's form, the one block
+        NixlConnector answers too); ``()`` for an empty list."""
+        ids = tuple(ids)
+        if not ids:
+            return ()
+        scratch = min(self.state.speculative_blocks if self.state else 0, len(ids) - 1)
+        return (ids[:len(ids) - scratch] if scratch else ids)[-1:]
+
+
+def has_state(groups: Sequence[GroupInfo] | None) -> bool:
+    """Whether a hybrid cache has a state group (its prefill then stops one token short)."""
+    return bool(groups) and any(g.kind == "state" for g in groups)
+
 
 def groups_of(kv_cache_config: Any, block_size: int) -> tuple[GroupInfo, ...] | None:
     """The groups a hybrid cache transfers, in vLLM's order; None for a cache of one group.
 
+    A ``MambaSpec`` group is a ``state`` group (its block size is the state's alignment, any
+    size: the group moves one block, the running state's).
+
     Raises:
-        ConfigError: a group kind the adapter cannot move yet (SSM/Mamba state, chunked local
-            attention, cross-attention, ...), naming the group and its kind; a group whose block
+        ConfigError: a group kind the adapter cannot move yet (chunked local attention,
+            cross-attention, ...), naming the group and its kind; an attention group whose block
             size is not ``block_size`` (names both); or no full-attention group (the load's
             extent is taken from one).
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) <= 1:
         return None
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
     out = []
     for i in ids:
         spec = groups[i].kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            state = StateInfo(tuple(tuple(int(d) for d in x) for x in spec.shapes), tuple(spec.dtypes),
+                              int(spec.page_size_bytes), int(spec.num_speculative_blocks),
+                              str(spec.mamba_cache_mode))
+            out.append(GroupInfo(i, "state", 0, int(spec.block_size), tuple(groups[i].layer_names), state))
+            continue
         if isinstance(spec, SlidingWindowSpec):
             kind, window = "sliding", int(spec.sliding_window)
         elif type(spec) is FullAttentionSpec:
             kind, window = "full", 0
         else:
-            raise ConfigError(f"KvxferConnector moves full and sliding-window attention groups; KV-cache group {i} "
-                              f"is {type(spec).__name__} (layers {list(groups[i].layer_names)[:4]}...), which it "
-                              f"does not move yet: serve this model with vLLM's NixlConnector (SSM state needs "
-                              f"vLLM's hybrid manager), or with --disable-hybrid-kv-cache-manager where vLLM runs "
-                              f"the model without it")
+            raise ConfigError(f"KvxferConnector moves full and sliding-window attention groups and Mamba state "
+                              f"groups; KV-cache group {i} is {type(spec).__name__} (layers "
+                              f"{list(groups[i].layer_names)[:4]}...), which it does not move yet: serve this "
+                              f"model with vLLM's NixlConnector, or with --disable-hybrid-kv-cache-manager where "
+                              f"vLLM runs the model without it")
         if int(spec.block_size) != block_size:
             raise ConfigError(f"KV-cache group {i} ({kind}) has blocks of {spec.block_size} tokens; KvxferConnector "
                               f"moves hybrid caches whose groups all have the engine's block size {block_size}")
@@ -88,9 +129,13 @@ def select(groups: Sequence[GroupInfo], block_ids: Any) -> tuple[tuple[int, ...]
 
 def kept(groups: Sequence[GroupInfo], block_ids: Any) -> tuple[tuple[int, ...], ...]:
     """A request's blocks per transferred group, each sliding group's cut to what it keeps
-    (the tail of ``kept_blocks()``; vLLM frees the blocks before it, or marks them null)."""
+    (the tail of ``kept_blocks()``; vLLM frees the blocks before it, or marks them null), each
+    state group's to its running state's block (``GroupInfo.state_block``)."""
     out = []
     for g, ids in zip(groups, select(groups, block_ids)):
+        if g.kind == "state":
+            out.append(g.state_block(ids))
+            continue
         n = g.kept_blocks()
         out.append(ids[-n:] if n else ids)
     return tuple(out)
@@ -114,12 +159,20 @@ def hybrid_load(groups: Sequence[GroupInfo], *, computed: int, count: int, fresh
     Full groups: as the one-group path (``load_blocks``). Sliding groups: the decode's fresh
     blocks of that group, ending at the block of token ``computed + count - 1``, against the
     producer's kept tail, whose last block holds token ``remote_tokens - 1``, cut to end at the
-    same block; kvxfer then moves the window of ``computed + count`` tokens only.
+    same block; kvxfer then moves the window of ``computed + count`` tokens only. State groups:
+    the decode's running-state block (``GroupInfo.state_block`` of its fresh blocks) against the
+    producer's one block: the whole state after the loaded tokens. Lists that do not pair (no
+    fresh state block here, or a producer answering other than one) pass as they are: kvxfer
+    refuses the whole read, typed and naming both (never a partial transfer).
     """
     end = computed + count
     local_out, remote_out = [], []
     for g, mine, theirs in zip(groups, select(groups, fresh), remote):
         theirs = tuple(theirs)
+        if g.kind == "state":
+            local_out.append(g.state_block(mine))
+            remote_out.append(theirs)
+            continue
         if g.kind == "full":
             blocks = load_blocks(computed=computed, count=count, fresh=mine, remote_ids=theirs,
                                  local_block=block_size, remote_block=block_size)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from kvxfer import TokenBook
 
 from kvxfer_vllm.extent import load_blocks, tokens_to_load
-from kvxfer_vllm.groups import GroupInfo, full_index, hybrid_load, kept
+from kvxfer_vllm.groups import GroupInfo, full_index, has_state, hybrid_load, kept
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, ReleaseOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.params import (
     BadParams, RemotePrefill, producer_answer, wants_remote_decode, wants_remote_prefill,
@@ -39,7 +39,12 @@ class KvxferScheduler:
 
     ``groups``: a hybrid cache's transferred KV-cache groups (``kvxfer_vllm.groups``); block ids
     are then one tuple per group everywhere (holds, answers, loads), each sliding group's cut to
-    the blocks it keeps. None: one group, flat tuples.
+    the blocks it keeps, each state group's to its running state's block. None: one group, flat tuples.
+
+    State (SSM) groups, as vLLM's NixlConnector: a prefill request stops one token short
+    (``on_new_request`` drops its prompt's last token, so the state it keeps is the state before
+    that token) and a decode loads ``n - 1`` prompt tokens, then computes the last one from the
+    moved state. A prompt of one token is computed by the decode (nothing to back off from).
     """
 
     def __init__(self, settings: Settings, *, engine_id: str, tp_size: int, block_size: int,
@@ -65,6 +70,7 @@ class KvxferScheduler:
         self._book: TokenBook | None = TokenBook(slots) if slots else None
         self._tokens: dict[str, tuple[int, int, int]] = {}  # request id -> the token its workers hold under
         self._groups = groups
+        self._state = has_state(groups)   # a state group: the one-token back-off
 
     # ---- wiring ----------------------------------------------------------------------
     def bind(self, kv_cache_manager: Any) -> None:
@@ -78,8 +84,11 @@ class KvxferScheduler:
 
     # ---- consumer --------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        """A request entered the queue: one that decodes a remote prefill is heartbeated until its load starts."""
+        """A request entered the queue: one that decodes a remote prefill is heartbeated until its load
+        starts; with a state group, a prefill for a remote decode drops its prompt's last token."""
         params = request.kv_transfer_params
+        if self._state and self._settings.produces and wants_remote_decode(params) and not self._next_turn(params):
+            _back_off(request)
         if not self._settings.consumes or not wants_remote_prefill(params):
             return
         try:
@@ -100,8 +109,16 @@ class KvxferScheduler:
         if self._groups is not None and remote.block_size not in (None, self._block_size):
             return 0, False  # a sliding group's window moves between equal blocks only: compute here
         full = remote.block_ids if self._groups is None else remote.groups[full_index(self._groups)]
-        count = tokens_to_load(computed=num_computed_tokens,
-                               available=remote.tokens_available(request.num_prompt_tokens),
+        available = remote.tokens_available(request.num_prompt_tokens)
+        if self._state:
+            # the state is the one after the producer's tokens: a load must end exactly there, one
+            # token short of the prompt (the decode computes the last one from it); else compute here
+            if remote.num_tokens != request.num_prompt_tokens - 1 or num_computed_tokens >= remote.num_tokens:
+                log.info("kvxfer: %s computed here: the producer's state covers %s of its %d prompt tokens (a "
+                         "state load needs exactly %d)", request.request_id, remote.num_tokens,
+                         request.num_prompt_tokens, request.num_prompt_tokens - 1)
+                return 0, False
+        count = tokens_to_load(computed=num_computed_tokens, available=available,
                                local_block=self._block_size, remote_block=remote.block_size,
                                remote_blocks=len(full),
                                partial=self._settings.buffer_device == "cpu" and self._groups is None)
@@ -110,9 +127,11 @@ class KvxferScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def _next_turn(self, params: Any) -> bool:
-        """A prefill request whose params name a decode instance's blocks of the previous turn."""
-        return bool(self._settings.bidirectional and wants_remote_decode(params) and params.get("remote_block_ids")
-                    and params.get("remote_request_id") and not params.get("_remote_blocks_processed"))
+        """A prefill request whose params name a decode instance's blocks of the previous turn (never
+        with a state group: a decode's state after decoding is not the state before a prompt's last token)."""
+        return bool(not self._state and self._settings.bidirectional and wants_remote_decode(params)
+                    and params.get("remote_block_ids") and params.get("remote_request_id")
+                    and not params.get("_remote_blocks_processed"))
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -301,6 +320,30 @@ class KvxferScheduler:
         # vLLM's form of a decode instance's answer; its expiry is the hold's lease here
         answer.update(do_remote_prefill=False, do_remote_decode=True, remote_blocks_expiry_time=None)
         return True, answer
+
+
+def _back_off(request: Any) -> None:
+    """Drop a prefill request's last prompt token, once, so it computes ``n - 1`` tokens and keeps
+    the state before the last one; the decode recomputes that token (vLLM 0.32's NixlConnector
+    does the same for Mamba groups). Left alone: a prompt of one token, a request that does not
+    read the prefix cache (the decode computes its whole prompt), and a request already cut
+    (a preempted one seen again)."""
+    params = request.kv_transfer_params
+    if params.get("_p_side_truncated") or request.num_prompt_tokens <= 1:
+        return
+    skip = getattr(request, "get_skip_reading_prefix_cache", None)
+    if skip is not None and skip():
+        return
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-1:]
+    elif getattr(request, "prompt_embeds", None) is not None:
+        request.prompt_embeds = request.prompt_embeds[:-1]
+    else:
+        return
+    del request._all_token_ids[-1:]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params["_p_side_truncated"] = True   # vLLM's own mark (the same key): never cut twice
 
 
 def _first_group(block_ids: Any) -> tuple[int, ...]:

@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer import (
-    Agent, AttentionGroup, ConfigError, HoldToken, HybridSpec, KvxferError, LayoutError, ReadRequest, TransferHandle,
+    Agent, AttentionGroup, ConfigError, HoldToken, HybridSpec, KvxferError, LayoutError, ReadRequest, StateGroup,
+    TransferHandle,
 )
 
 from kvxfer_vllm.cache import CacheDescription, describe_cache
 from kvxfer_vllm.groups import GroupInfo
 from kvxfer_vllm.metadata import HeartbeatOrder, LoadOrder, StepOrders, WorkerAddress
 from kvxfer_vllm.settings import Settings
+from kvxfer_vllm.state import describe_state
 from kvxfer_vllm.stats import KvxferKVConnectorStats
 
 log = logging.getLogger("vllm.kvxfer_vllm.worker")
@@ -117,21 +119,29 @@ class KvxferWorker:
                  f" ({self._cache.note})" if self._cache.note else "")
 
     def _register_hybrid(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
-        """Every transferred group's layers described as one ``AttentionGroup`` of a ``HybridSpec``
-        (vLLM's groups share tensors: layer i of each group lives in one tensor, which kvxfer
-        registers once; the block ids vLLM hands each group never collide).
+        """Every transferred group's layers described as one group of a ``HybridSpec``: an
+        ``AttentionGroup`` per attention group, a ``StateGroup`` per Mamba group (one page per
+        block holding a layer's state tensors: ``kvxfer_vllm.state``). vLLM's groups share tensors
+        (layer i of each group lives in one tensor), which kvxfer registers once; the block ids
+        vLLM hands each group never collide.
 
         Raises:
             LayoutError: a group's layers missing from ``kv_caches`` (names the group and layer), or
                 a group whose description only places whole blocks of one format (kvxfer's
                 hybrid reads convert layouts, so they need an exact description).
         """
-        groups, tensors, notes = [], [], []
+        groups, tensors, notes, first = [], [], [], None
         for g in self._groups:
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
                 raise LayoutError(f"KV-cache group {g.name}: layers {missing} have no KV-cache tensor "
                                   f"(vLLM gave {sorted(kv_caches)[:6]}...)")
+            if g.kind == "state":
+                spec, pages = describe_state(g, [kv_caches[n] for n in g.layer_names], num_blocks=num_blocks,
+                                             tp_rank=self._tp_rank, tp_size=self._tp_size, model=self._model)
+                groups.append(StateGroup(spec, name=g.name))
+                tensors.append(pages)
+                continue
             desc = describe_cache(
                 [kv_caches[n] for n in g.layer_names], num_blocks=num_blocks, block_size=g.block_size,
                 num_kv_heads=self._num_kv_heads, head_size=self._head_size, tp_rank=self._tp_rank,
@@ -140,6 +150,8 @@ class KvxferWorker:
                 notes.append(f"{g.name}: {desc.note}")
             groups.append(AttentionGroup(desc.spec, sliding_window=g.sliding_window, name=g.name))
             tensors.append(desc.tensors)
+            first = first or desc
+        desc = first
         self._cache = CacheDescription(desc.spec, [], head_slices_exact=not notes, same_format_only=bool(notes),
                                        note="; ".join(notes))
         self._hybrid = HybridSpec(tuple(groups))
@@ -151,10 +163,13 @@ class KvxferWorker:
             agent.close()
             raise
         self._agent = agent
-        log.info("kvxfer agent %s on %s:%d: hybrid cache of %d groups %s, %d blocks, heads %d/%d, %s",
+        log.info("kvxfer agent %s on %s:%d: hybrid cache of %d groups %s, %d blocks, heads %d/%d, %s%s",
                  agent.engine_id, host, port, len(groups),
                  [(g.name, len(g.layer_names), g.sliding_window) for g in self._groups], num_blocks,
-                 desc.spec.heads_per_rank, desc.spec.num_kv_heads, desc.spec.dtype)
+                 desc.spec.heads_per_rank, desc.spec.num_kv_heads, desc.spec.dtype,
+                 "".join(f"; state group {g.name}: tensors "
+                         f"{[(t.name, t.dtype, t.opaque_elements) for t in g.spec.tensors]}, pages of "
+                         f"{g.spec.slot_stride} bytes" for g in groups if isinstance(g, StateGroup)))
 
     @property
     def single_group(self) -> bool:
@@ -315,8 +330,13 @@ class KvxferWorker:
         """Submit a step's loads together (never waits on a peer); a load refused at once fails alone."""
         cache = self._cache
         ready: list[LoadOrder] = []
+        state = self._hybrid is not None and any(isinstance(g, StateGroup) for g in self._hybrid.groups)
         for order in orders:
-            if cache is not None and not cache.head_slices_exact and order.remote_tp_size != self._tp_size:
+            if state and order.remote_tp_size != self._tp_size:
+                self._loads[order.request_id] = _Load(order, None, LoadRefused(
+                    f"a hybrid cache with a state group moves between equal TP sizes only: the producer has TP "
+                    f"{order.remote_tp_size}, this decode TP {self._tp_size}"))
+            elif cache is not None and not cache.head_slices_exact and order.remote_tp_size != self._tp_size:
                 self._loads[order.request_id] = _Load(order, None, LoadRefused(
                     f"{cache.note}: a peer with TP {order.remote_tp_size} needs head slices, which this "
                     f"cache description cannot place exactly (local TP {self._tp_size})"))
