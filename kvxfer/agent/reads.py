@@ -82,6 +82,7 @@ class PendingRead:
     launched: object = None                # the route its IPC kernel was launched for
     token: object = None                   # the producer's ``HoldToken``, or None (issue 35)
     tokened: bool = False                  # moving by its token, with no claim: no lane takes it
+    step_route: tuple | None = None        # (route, n): planned with the n reads sharing that route
 
     @property
     def live(self) -> bool:
@@ -152,8 +153,7 @@ class ReadFlow:
             if agent.paths.kernel_serves(links):
                 self._route_step(live, links)
             else:
-                for r in live:
-                    self._route(r, links)
+                self._route_direct_step(live, links)
         except Exception as exc:  # noqa: BLE001 - fail what it left; nothing was sent
             log.exception("kvxfer: routing reads to %s:%d", *remote)
             self.crashed(reads, exc)
@@ -200,12 +200,13 @@ class ReadFlow:
                 c.staging_bytes for chunks in r.route.requests for c in chunks)))]
         if not tokened:
             return routed
-        for r in tokened:
+        for r in tokened:  # the look is in place before anything moves: no completion can skip it
             r.tokened = True
             r.req.verify = agent.tokens.verifier(view, r.request_id, r.token)
             r.req.stats.by_token = True  # issue 35 (s2): TransferStats says the read claimed nothing
+        self.launch(tokened)  # the kernel first: the grants below run while it moves the bytes
+        for r in tokened:
             agent.engine.grant(r.req)
-        self.launch(tokened)
         direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]
         if direct:
             self._post_direct_many(direct)
@@ -246,6 +247,33 @@ class ReadFlow:
             if route is not None and route.mode is TransferPath.IPC \
                     and all(r.remote_ids.size * b == tokens for b in remote_blocks):
                 r.route = route
+            else:
+                self._route(r, links)
+
+    def _route_direct_step(self, reads: list[PendingRead], links: list) -> None:
+        """Route a step's reads to one producer rank off the kernel path: the plain token reads
+        (whole blocks, any format) are planned together, one plan of all their ids, so that the
+        step is checked, planned and posted once (``ReadPaths.direct_shared``); where that plan is
+        not one plain direct post (a layout needing the host staging step, chunks, an id error:
+        each read then gets its own error), each read is routed on its own, as the others are."""
+        plain = [r for r in reads if r.token is not None and not r.same_format and r.num_tokens is None]
+        route = None
+        if len(plain) >= 2 and len(links) == 1:
+            try:
+                route = self._agent.paths.plan(links, np.concatenate([r.local for r in plain]),
+                                               np.concatenate([r.remote_ids for r in plain]), plain[0].request_id,
+                                               plain[0].note)
+            except KvxferError:
+                route = None
+            blocks = self._agent.spec.block_size, links[0].spec.block_size
+            if route is not None and (route.mode is not TransferPath.DIRECT or route.chunked or any(
+                    c.staging_bytes for chunks in route.requests for c in chunks) or not all(
+                    r.local.size * blocks[0] == r.remote_ids.size * blocks[1] for r in plain)):
+                route = None
+        chosen = {id(r) for r in plain} if route is not None else set()
+        for r in reads:
+            if id(r) in chosen:
+                r.route, r.step_route = route, (route, len(plain))
             else:
                 self._route(r, links)
 
@@ -391,6 +419,7 @@ class ReadFlow:
         transfer (``ReadPaths.direct_step``), each read owning a member of it; a read that goes
         through the host staging buffer (a layout change) or in chunks is posted on its own."""
         agent = self._agent
+        reads = self._post_shared(reads)
         alone = [r for r in reads
                  if r.route.chunked or any(c.staging_bytes for chunks in r.route.requests for c in chunks)]
         for r in alone:
@@ -420,6 +449,39 @@ class ReadFlow:
                 # lone parts (no job yet) are posted by the engine here, with their notification
                 self._attach(r, read_parts, started=True)
         agent.wake.set()
+
+    def _post_shared(self, reads: list[PendingRead]) -> list[PendingRead]:
+        """Post the token reads of ``reads`` planned together (``_route_direct_step``): one post for
+        each whole such step still live; returns the others. A step one of whose reads ended
+        meanwhile (an abort, a deadline) is routed again read by read: its one post would write
+        into the ended read's blocks."""
+        agent = self._agent
+        steps: dict[int, list[PendingRead]] = {}
+        rest = []
+        for r in reads:
+            if r.step_route is not None and r.step_route[0] is r.route:
+                steps.setdefault(id(r.route), []).append(r)
+            else:
+                rest.append(r)
+        for group in steps.values():
+            with agent.engine.posting([r.req for r in group]) as live_reqs:
+                if len(live_reqs) == len(group) == group[0].step_route[1]:
+                    try:
+                        parts = agent.paths.direct_shared(group[0].route, [StepRead(r.local, r.remote_ids, r.note)
+                                                                           for r in group])
+                    except KvxferError as exc:
+                        self._fail_all(group, exc)
+                        continue
+                    for r, read_parts in zip(group, parts):
+                        for link, part in zip(r.route.links, read_parts):
+                            part.on_done = partial(agent.done.send, link, r.request_id)  # once known good
+                        self._attach(r, read_parts, started=True)
+                    continue
+            for r in group:  # not whole any more: each on its own route
+                r.step_route = None
+                if r.live and self._route(r, r.route.links):
+                    rest.append(r)
+        return rest
 
     def _post_direct(self, r: PendingRead) -> None:
         """Post a granted direct read (its NIXL transfer carries the completion notification)."""

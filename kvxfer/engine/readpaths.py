@@ -136,6 +136,24 @@ class ReadPaths:
         return [[p for p in read_parts if p.job is not None or i not in failed]
                 for i, read_parts in enumerate(parts)], failed
 
+    def direct_shared(self, route: ReadRoute, reads: list[StepRead]) -> list[list[Part]]:
+        """Start a step's direct reads to one producer rank planned together (``route``: one plan
+        of all their ids, one rank, not chunked, nothing staged): one backend post for the whole
+        step, each read owning a member of it in proportion to its blocks. The members carry no
+        notification: each read's notice goes once it is known good (the agent sets ``on_done``).
+
+        Raises: KvxferError when the post fails (nothing was posted)."""
+        (part,) = route.start(self.kit, self._view, None, 0.0)  # one rank, one chunk: one part
+        job = DirectJob(self._backend, Direction.READ, part.plan, self._view.geometry.kind, part.peer,
+                        part.remote_kind, b"", f"a step of {len(reads)} reads")
+        shared = SharedJob(job, members=len(reads))
+        rows, nbytes = int(part.plan.local.shape[0]), int(part.plan.num_bytes)
+        blocks = np.array([r.local.size for r in reads], dtype=np.float64)
+        shares = blocks / blocks.sum()
+        return [[Part(part.peer, None, part.remote_kind, b"",
+                      job=shared.member(int(round(nbytes * share)), int(round(rows * share))))]
+                for share in shares]
+
     def start(self, route: ReadRoute, timeout: float | None, ask_timeout: float) -> list[Part]:
         """A read's own parts (a lone direct read, chunked or through the host staging buffer; a
         staged read's pipelines). Raises KvxferError (parts already started are stopped first)."""

@@ -335,3 +335,87 @@ def test_a_token_read_looks_at_the_word_through_the_backend_where_it_cannot_map_
     with pytest.raises(LeaseExpiredError, match="hold ended"):
         cons.read_many([ReadRequest(prod.address, [0, 3], [2, 4], "r2", token=old)])[0].wait(5)
     assert counted["n"] == before and prod.holding("r2") and prod.hold_token("r2") != old
+
+
+# ---- a step of token reads planned and posted as one (issue 34, rule 4) ------------------------
+def _step(prod, pairs, prefix="t"):
+    reads = []
+    for i, (src, dst) in enumerate(pairs):
+        prod.hold(f"{prefix}{i}", src)
+        reads.append(ReadRequest(prod.address, dst, src, f"{prefix}{i}", token=prod.hold_token(f"{prefix}{i}")))
+    return reads
+
+
+def test_a_step_of_token_reads_is_planned_and_posted_once(harness, counted):
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    reads = _step(prod, (([5, 1], [0, 3]), ([7, 2], [4, 6]), ([9], [8]), ([10, 11, 0], [1, 2, 5])))
+    posted = cons._backend.posted
+    stats = [h.wait(5) for h in cons.read_many(reads)]
+    assert cons._backend.posted == posted + 1, "a step of token reads to one rank took more than one post"
+    for r in reads:
+        _same(ccache, pcache, r.local_blocks, r.remote_blocks, s)
+    assert all(st.by_token for st in stats) and counted["n"] == 0
+    # each read owns its share of the one post: the step's bytes split by its blocks
+    assert [st.num_bytes for st in stats] == [len(r.local_blocks) * 2 * s.num_layers * s.block_bytes
+                                               for r in reads]
+    assert wait_for(lambda: prod.finished().sent >= {"t0", "t1", "t2", "t3"} or not any(
+        prod.holding(f"t{i}") for i in range(4)))
+
+
+def test_a_step_with_one_bad_read_fails_only_that_read(harness):
+    """The step's ids checked together fail together: each read is then routed on its own, so
+    only the read with a remote id past the producer's cache fails, naming it."""
+    from kvxfer import BlockIdError
+
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    reads = _step(prod, (([5, 1], [0, 3]), ([7, 2], [4, 6])))
+    bad = s.num_blocks + 3
+    token = HoldToken(0, 1, hold_tag("bad", [bad]))  # fits its own ids: the step's plan meets the bad id
+    reads.insert(1, ReadRequest(prod.address, [9], [bad], "bad", token=token))
+    before = [c.copy() for c in ccache]
+    handles = cons.read_many(reads)
+    with pytest.raises(BlockIdError, match=str(s.num_blocks + 3)):
+        handles[1].wait(5)
+    for h, r in zip(handles, reads):
+        if r.request_id != "bad":
+            h.wait(5)
+            _same(ccache, pcache, r.local_blocks, r.remote_blocks, s)
+    for c, b in zip(ccache, before):  # the bad read's destination untouched
+        np.testing.assert_array_equal(c[:, 9], b[:, 9])
+
+
+def test_a_read_that_ends_before_its_steps_post_leaves_its_blocks_untouched(harness, monkeypatch):
+    """One read of a step planned as one is aborted before the step is posted: the one post would
+    write into its blocks, so the others are posted read by read; they are exact, and the aborted
+    read's destination keeps its bytes."""
+    from kvxfer.agent.reads import ReadFlow
+
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    reads = _step(prod, (([5, 1], [0, 3]), ([7, 2], [4, 6]), ([9], [8])))
+    real = ReadFlow._post_shared
+
+    def abort_first(self, pending):
+        cons.abort("t1", wait=False)
+        return real(self, pending)
+
+    monkeypatch.setattr(ReadFlow, "_post_shared", abort_first)
+    before = [c.copy() for c in ccache]
+    posted = cons._backend.posted
+    handles = cons.read_many(reads)
+    with pytest.raises(Exception):
+        handles[1].wait(5)
+    for i in (0, 2):
+        handles[i].wait(5)
+        _same(ccache, pcache, reads[i].local_blocks, reads[i].remote_blocks, s)
+    assert cons._backend.posted == posted + 1  # the two live reads, in one post of their own ids
+    for c, b in zip(ccache, before):
+        np.testing.assert_array_equal(c[:, [4, 6]], b[:, [4, 6]])
