@@ -430,9 +430,16 @@ class ReadFlow:
             parts, failed = agent.paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
                                                      for r in live])
             for i, (r, read_parts) in enumerate(zip(live, parts)):
-                if r.tokened:  # a lone part's notice, too, goes once the word matched (after success)
+                if r.tokened:
+                    # Its notice goes once the word matched (after success), and on the producer
+                    # rank's done lane (``DoneSender``), not on the thread that completes the read.
+                    by_name = {link.agent_name: link for link in r.route.links}
                     for part in read_parts:
-                        if part.job is None and part.notification:
+                        link = by_name.get(part.peer)
+                        if link is not None:
+                            part.on_done = partial(agent.done.send, link, r.request_id)
+                            part.notification = b""
+                        elif part.job is None and part.notification:
                             part.on_done = partial(agent.backend.notify, part.peer, part.notification)
                             part.notification = b""
                 if i in failed:
@@ -466,8 +473,8 @@ class ReadFlow:
                         self._fail_all(group, exc)
                         continue
                     for r, read_parts in zip(group, parts):
-                        for part in read_parts:  # its notice, once the read is known good
-                            part.on_done = partial(agent.backend.notify, part.peer, r.note)
+                        for link, part in zip(r.route.links, read_parts):
+                            part.on_done = partial(agent.done.send, link, r.request_id)  # once known good
                         self._attach(r, read_parts, started=True)
                     continue
             for r in group:  # not whole any more: each on its own route
