@@ -8,6 +8,7 @@ offset from the call over the timed iterations. No profiler: the offsets are tru
 the wrappers' own cost (about a microsecond each).
 
 Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 512] [--batch 1] [--reads 30]
+      [--hold-tokens] [--small] [--profile]
 """
 
 import argparse
@@ -21,6 +22,8 @@ import numpy as np
 from kvxfer import Agent, AgentConfig, KVSpec, ReadRequest
 
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")
+# --small: the busy-engine bench's cache (16 KiB a block), where a read's bytes cost next to nothing
+SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", model="busy-bench")
 
 # (module, class, method): the steps of a read, wrapped where they exist in this version
 STEPS = [
@@ -119,12 +122,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=5950)
     ap.add_argument("--hold-tokens", action="store_true", help="reads carry the producer's hold tokens (issue 35)")
     ap.add_argument("--profile", action="store_true", help="also cProfile read_many (the caller's time, by function)")
+    ap.add_argument("--small", action="store_true", help="the busy-engine bench's small cache instead of Llama-3-8B's")
     args = ap.parse_args()
-    per = args.tokens // SHAPE["block_size"]
+    shape = SMALL if args.small else SHAPE
+    per = args.tokens // shape["block_size"]
     blocks = per * args.batch
-    spec = KVSpec(**SHAPE, num_blocks=2 * blocks)
+    spec = KVSpec(**shape, num_blocks=max(64, 2 * blocks))
     rng = np.random.default_rng(0)
-    src, dst = rng.permutation(2 * blocks)[:blocks], rng.permutation(2 * blocks)[:blocks]
+    src, dst = rng.permutation(spec.num_blocks)[:blocks], rng.permutation(spec.num_blocks)[:blocks]
     warm = 3
     steps = [[f"s{i}-r{j}" for j in range(args.batch)] for i in range(args.reads + warm)]
     holds = [(rid, src[j * per:(j + 1) * per]) for step in steps for j, rid in enumerate(step)]
