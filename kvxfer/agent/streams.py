@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvxfer.agent.jobs import LaneJob
 from kvxfer.agent.args import MAX_BLOCK_ID, deadline_for, payload
 from kvxfer.agent.writes import PendingWrite
-from kvxfer.engine.handles import TransferHandle, TransferStats
+from kvxfer.engine.handles import TransferHandle, TransferStats, owned_handle
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import Refuse, WritesDone, encode_notification
@@ -44,7 +44,7 @@ class WriteStream:
 
     def __init__(self, agent: "AgentParts", remote: tuple[str, int], request_id: str, timeout: float | None) -> None:
         self._agent, self.remote, self.request_id = agent, remote, request_id
-        self.handle = TransferHandle(request_id)
+        self.handle, self._finish_handle = owned_handle(request_id)
         self._lock = threading.Lock()
         self._chunks: list[TransferHandle] = []
         self._bytes = 0
@@ -109,7 +109,7 @@ class WriteStream:
             error = TransferFailedError(f"write stream of {self.request_id!r} aborted: {error!r}")
         with self._lock:
             ending, self._ending = self._ending, True
-        self.handle._finish(error=error)
+        self._finish_handle(error=error)
         if tell and not ending:
             reason = str(error)[:4000] or "aborted"
             message = WritesDone(self.request_id, self._agent.engine_id, len(self._chunks), b"", error=reason)
@@ -128,7 +128,7 @@ class WriteStream:
     def _on_chunk(self, chunk: TransferHandle) -> None:  # a done-callback: any thread, maybe inside a poll
         error = chunk.exception()
         if error is not None:
-            self.handle._finish(error=error)
+            self._finish_handle(error=error)
             return
         try:
             moved = chunk.wait(0).num_bytes
@@ -152,15 +152,15 @@ class WriteStream:
         try:
             self._agent.lanes.put(self.remote, _WritesDoneJob(self, message))
         except RuntimeError:  # the agent closed meanwhile
-            self.handle._finish(error=TransferFailedError(f"agent closed before {self.request_id!r} ended"))
+            self._finish_handle(error=TransferFailedError(f"agent closed before {self.request_id!r} ended"))
         self._agent.wake.set()
 
     def _ended(self, error: KvxferError | None) -> None:
         if error is not None:
-            self.handle._finish(error=error)
+            self._finish_handle(error=error)
             return
         total = time.perf_counter() - self._started
-        self.handle._finish(TransferStats(self.request_id, num_bytes=self._bytes, peers=1,
+        self._finish_handle(TransferStats(self.request_id, num_bytes=self._bytes, peers=1,
                                           total_seconds=total, seconds=total))
 
 

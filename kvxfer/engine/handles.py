@@ -13,7 +13,7 @@ from typing import Callable
 
 from kvxfer.errors import ConfigError, KvxferError, WaitTimeout
 
-__all__ = ["TransferHandle", "TransferStats"]
+__all__ = ["TransferHandle", "TransferStats", "owned_handle"]
 
 # How long ``wait`` polls the request itself, once it is posted and granted, before it sleeps on
 # the engine's progress thread: long enough to cover a small request's copy, short enough that a
@@ -270,3 +270,11 @@ def _settle(future: asyncio.Future, handle: TransferHandle) -> None:
         future.set_exception(handle._error)
     else:
         future.set_result(handle._stats)
+
+
+def owned_handle(request_id: str) -> tuple[TransferHandle, Callable[..., bool]]:
+    """A handle that its maker completes itself (a push stream's, ``kvxfer.agent.streams``), not
+    the engine: the handle, and the one call that completes it (``finish(stats)`` or
+    ``finish(error=...)``; False when it was already complete)."""
+    handle = TransferHandle(request_id)
+    return handle, handle._finish
