@@ -270,8 +270,9 @@ def _prepared_requests(kit: PathKit, view: CacheView, links: list, plans: list, 
     """A small whole-block read as indices into every rank's prepared lists (``PathKit.prepared``),
     or None (the plan's rows then). Its ids get the plan's checks (the remote bound, equal tokens;
     the local ids were checked by the read's caller)."""
-    if kit.vram or not links or view.geometry.bases.size * local.size > prepared_descriptors():
-        return None  # (a large read would not take them: nothing is prepared for it)
+    if kit.vram or not links or local.size != remote.size or \
+            view.geometry.bases.size * local.size > prepared_descriptors():
+        return None  # (lists of other lengths: the plan's checks name the error; a large read: nothing prepared)
     if local.size > 1 and bool(np.any((np.diff(local) == 1) & (np.diff(remote) == 1))):
         return None  # a run of adjacent blocks on both sides: the plan's rows join it into one descriptor
     lists = []
