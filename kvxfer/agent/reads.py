@@ -259,6 +259,10 @@ class ReadFlow:
         plain = [r for r in reads if r.token is not None and not r.same_format and r.num_tokens is None]
         route = None
         if len(plain) >= 2 and len(links) == 1:
+            locals_ = np.concatenate([r.local for r in plain])
+            if np.unique(locals_).size != locals_.size:  # two reads into one block: each on its own
+                plain = []
+        if len(plain) >= 2 and len(links) == 1:
             try:
                 route = self._agent.paths.plan(links, np.concatenate([r.local for r in plain]),
                                                np.concatenate([r.remote_ids for r in plain]), plain[0].request_id,

@@ -44,6 +44,11 @@ class DirectJob:
         self._start(plan.local)
 
     def _start(self, local) -> None:
+        lists = getattr(self.plan, "lists", None)
+        if lists is not None:  # indices into prepared lists (``kvxfer.engine.paths.prepared``)
+            self._xfer = self._backend.post_prepared(self._direction, lists.local_id, local, lists.remote_id,
+                                                     self.plan.remote, self.peer, self._note)
+            return
         self._xfer = self._backend.post(self._direction, local, self._kind, self.plan.remote,
                                         self._remote_kind, self.peer, self._note)
 

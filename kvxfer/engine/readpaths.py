@@ -39,7 +39,8 @@ class StepRead:
 
 
 class _Joined:
-    """Several requests' descriptor rows to one producer rank, as one plan (``DirectJob`` posts it)."""
+    """Several requests' descriptor rows (or indices into the same prepared lists) to one producer
+    rank, as one plan (``DirectJob`` posts it)."""
 
     staging_bytes = 0
 
@@ -47,6 +48,7 @@ class _Joined:
         self.local = np.concatenate([p.local for p in plans])
         self.remote = np.concatenate([p.remote for p in plans])
         self.num_bytes = sum(int(p.num_bytes) for p in plans)
+        self.lists = getattr(plans[0], "lists", None)
 
 
 class ReadPaths:
@@ -112,12 +114,12 @@ class ReadPaths:
         Returns each read's parts, and, by index, the error of a read whose joined post failed
         (its parts to other ranks, if posted, are still returned: it ends only with them)."""
         parts = [r.route.start(self.kit, self._view, r.timeout, 0.0) for r in reads]
-        by_peer: dict[str, list] = {}
+        by_peer: dict[tuple, list] = {}
         for i, read_parts in enumerate(parts):
-            for part in read_parts:
-                by_peer.setdefault(part.peer, []).append((i, part))
+            for part in read_parts:  # rows and prepared indices are posted apart
+                by_peer.setdefault((part.peer, id(getattr(part.plan, "lists", None))), []).append((i, part))
         failed: dict[int, KvxferError] = {}
-        for peer, members in by_peer.items():
+        for (peer, _), members in by_peer.items():
             if len(members) == 1:
                 continue
             try:

@@ -25,6 +25,7 @@ from kvxfer.gpu.host import HostPairKernel
 from kvxfer.gpu.ops import cupy_missing
 from kvxfer.gpu.ipc import IpcExport, IpcPeerCache, export_cache, host_identity
 from kvxfer.engine.paths.pipeline import SlotRange, StagingArea, host_allocate
+from kvxfer.engine.paths.prepared import PreparedBlocks, prepare_blocks
 from kvxfer.layout import CacheView
 from kvxfer.layout.pairs import DirectTemplate, pair_copy_why
 from kvxfer.protocol.messages import IpcWire, StagingWire
@@ -74,6 +75,7 @@ class PathKit:
         self._slot_lock = threading.Lock()
         self._kernel: Any = None
         self._kernel_lock = threading.Lock()
+        self._prep_lock = threading.Lock()
         self._stream: Any = None
         self.ipc: IpcWire | None = None
         path = config.transfer_path
@@ -194,6 +196,30 @@ class PathKit:
         if held is None or held[0] is not view:
             template = DirectTemplate(link.spec, self.mapped(link).geometry, view.spec, view.geometry)
             held = link.paths["ipc-direct"] = (view, template)
+        return held[1]
+
+    def prepared(self, link, view, plan) -> PreparedBlocks | None:
+        """Both caches' per-block lists prepared in the backend for small direct reads from
+        ``link`` into ``view`` along ``plan`` (``kvxfer.engine.paths.prepared``; prepared on first
+        use, released when the link closes); None where they do not apply (a GPU cache, a plan
+        that is not whole blocks, a large cache, a backend that cannot prepare)."""
+        held = link.paths.get("prepared")
+        if held is not None and held[0] is view:
+            return held[1]
+        with self._prep_lock:
+            held = link.paths.get("prepared")
+            if held is None or held[0] is not view:
+                blocks = None
+                if not self.vram:
+                    try:
+                        blocks = prepare_blocks(self.backend, plan, view, link.view, link.agent_name)
+                    except KvxferError as exc:
+                        log.info("peer %s: descriptor lists not prepared, posting rows: %s", link.engine_id, exc)
+                if held is not None and held[1] is not None:
+                    held[1].close()
+                held = link.paths["prepared"] = (view, blocks)
+                if blocks is not None:
+                    link.on_close.append(blocks.close)
         return held[1]
 
     def _map(self, link) -> "IpcPeerCache | str":

@@ -41,6 +41,7 @@ from kvxfer.protocol.messages import PackRequest
 from kvxfer.types import MemKind, TransferPath
 
 from kvxfer.engine.paths.kit import PathKit
+from kvxfer.engine.paths.prepared import prepared_descriptors
 from kvxfer.engine.paths.jobs import PipelineJob
 from kvxfer.engine.paths.choose import PathFacts, choose_path
 
@@ -243,7 +244,9 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
         for link in links:
             _check_ids(view.spec, local, link.spec, remote)
         return ReadRoute(TransferPath.IPC, links, local, remote, request_id, note)
-    requests = [plan.for_request(local, remote) for plan in plans]
+    requests = _prepared_requests(kit, view, links, plans, local, remote)
+    if requests is None:
+        requests = [plan.for_request(local, remote) for plan in plans]
     descriptors = sum(int(r.local.shape[0]) for r in requests)
     num_bytes = sum(int(r.num_bytes) for r in requests)
     chunks = [chunk_request(plan, req, local, remote, kit.config.staging_bytes)
@@ -260,6 +263,27 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
     mode = choose_path(configured, facts)
     return ReadRoute(mode, links, local, remote, request_id, note, chunks,
                      chunked=any(len(c) > 1 for c in chunks))
+
+
+def _prepared_requests(kit: PathKit, view: CacheView, links: list, plans: list, local: np.ndarray,
+                       remote: np.ndarray) -> list | None:
+    """A small whole-block read as indices into every rank's prepared lists (``PathKit.prepared``),
+    or None (the plan's rows then). Its ids get the plan's checks (the remote bound, equal tokens;
+    the local ids were checked by the read's caller)."""
+    if kit.vram or not links or local.size != remote.size or \
+            view.geometry.bases.size * local.size > prepared_descriptors():
+        return None  # (lists of other lengths: the plan's checks name the error; a large read: nothing prepared)
+    if local.size > 1 and bool(np.any((np.diff(local) == 1) & (np.diff(remote) == 1))):
+        return None  # a run of adjacent blocks on both sides: the plan's rows join it into one descriptor
+    lists = []
+    for link, plan in zip(links, plans):
+        prepared = kit.prepared(link, view, plan)
+        if prepared is None or not prepared.fits(local.size):
+            return None
+        lists.append(prepared)
+    for link in links:
+        _check_ids(view.spec, local, link.spec, remote)
+    return [p.request(local, remote) for p in lists]
 
 
 def _plan_partial(kit: PathKit, configured: str, links: list, plans: list, local: np.ndarray,
