@@ -579,14 +579,19 @@ class TransferEngine:
         grant is pending and this thread may drive it (poll again), and False while only another
         thread can move it on (a lane claiming it): a waiter then sleeps instead of spinning. A
         failure is recorded here and drained by the progress thread, like one it found."""
-        if self._overdue(req):  # its poster stuck (maybe the progress thread itself): any poller ends it
+        if self._overdue(req):  # past its deadline and the grace: any poller ends it, here
+            end = None
             stuck = not req.lock.acquire(blocking=False)
             if not stuck:
                 stuck = req.posters > 0
-                req.lock.release()  # nobody inside: the usual pass fails and drains it
-            if stuck:
+                if not stuck:  # nobody inside: fail and drain it as the progress pass would
+                    end = self._expire(req)
+                req.lock.release()
+            if stuck:  # its poster stuck (maybe the progress thread itself)
                 self._abandon(req)
-                return True
+            elif end is not None:
+                end()
+            return True
         advance = req.advance
         if advance is not None and not (req.posted and req.granted) and not req.finished:
             with self._scope():
@@ -602,6 +607,25 @@ class TransferEngine:
                     if not other.finished and other.posted and other.granted and other.error is None:
                         self._poll_once(other)
         return True
+
+    def _expire(self, req: _Request) -> Callable[[], None] | None:
+        """``req`` (its lock held, nobody posting) is past its deadline and the grace: fail it if
+        it is still live and drain it now (its blocks quarantined until what moves has ended).
+        Returns what fails the handle, to run once the lock is released. The progress pass does
+        the same; a waiter does it too, so that no handle outlives its deadline for want of a
+        pass (``done``, ``wait``, ``status`` all poll)."""
+        if req.finished:
+            return None
+        if req.error is None and req.posted:  # one last poll says why (or that it landed in time)
+            try:
+                if self._poll(req):
+                    return partial(self._succeed, req, Event.LANDED)
+            except KvxferError as exc:
+                self._fail(req, exc)
+        if req.error is None:
+            self._fail(req, TransferTimeoutError(
+                f"request {req.handle.request_id!r}: its deadline passed before it completed"))
+        return self._drain(req, force=True)
 
     def _poll_once(self, req: _Request) -> None:
         if not req.lock.acquire(blocking=False):
