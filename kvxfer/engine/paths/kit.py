@@ -200,27 +200,44 @@ class PathKit:
 
     def prepared(self, link, view, plan) -> PreparedBlocks | None:
         """Both caches' per-block lists prepared in the backend for small direct reads from
-        ``link`` into ``view`` along ``plan`` (``kvxfer.engine.paths.prepared``; prepared on first
-        use, released when the link closes); None where they do not apply (a GPU cache, a plan
-        that is not whole blocks, a large cache, a backend that cannot prepare)."""
+        ``link`` into ``view`` along ``plan`` (``kvxfer.engine.paths.prepared``), or None: not
+        ready yet, or they do not apply (a GPU cache, a plan that is not whole blocks, a large
+        cache, a backend that cannot prepare). Never prepares on the calling thread: preparing
+        is a backend control call, which waits for every transfer call in flight, so the first
+        call for a link starts it on a thread of its own and reads post rows until it is done.
+        Released when the link closes."""
         held = link.paths.get("prepared")
         if held is not None and held[0] is view:
             return held[1]
         with self._prep_lock:
             held = link.paths.get("prepared")
             if held is None or held[0] is not view:
-                blocks = None
+                link.paths["prepared"] = (view, None)
                 if not self.vram:
-                    try:
-                        blocks = prepare_blocks(self.backend, plan, view, link.view, link.agent_name)
-                    except KvxferError as exc:
-                        log.info("peer %s: descriptor lists not prepared, posting rows: %s", link.engine_id, exc)
-                if held is not None and held[1] is not None:
-                    held[1].close()
-                held = link.paths["prepared"] = (view, blocks)
-                if blocks is not None:
-                    link.on_close.append(blocks.close)
+                    old = held[1] if held is not None else None
+                    threading.Thread(target=self._prepare, args=(link, view, plan, old), daemon=True,
+                                     name=f"kvxfer-prepare-{link.engine_id}").start()
+                return None
         return held[1]
+
+    def _prepare(self, link, view, plan, old: PreparedBlocks | None) -> None:
+        """``prepared``'s thread: release the lists of an earlier registration, prepare these."""
+        if old is not None:
+            old.close()
+        try:
+            blocks = prepare_blocks(self.backend, plan, view, link.view, link.agent_name)
+        except KvxferError as exc:
+            log.info("peer %s: descriptor lists not prepared, posting rows: %s", link.engine_id, exc)
+            return
+        if blocks is None:
+            return
+        with self._prep_lock:
+            held = link.paths.get("prepared")
+            if link.closed or held is None or held[0] is not view:
+                blocks.close()
+                return
+            link.paths["prepared"] = (view, blocks)
+            link.on_close.append(blocks.close)
 
     def _map(self, link) -> "IpcPeerCache | str":
         info = link.info

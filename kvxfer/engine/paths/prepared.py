@@ -50,10 +50,6 @@ class PreparedBlocks:
         self._regions = np.arange(regions, dtype=np.int64)[:, None]
         self._nl, self._nr, self._bytes = local_blocks, remote_blocks, block_bytes
 
-    def fits(self, blocks: int) -> bool:
-        """Whether a read of ``blocks`` blocks is small enough to take the prepared lists."""
-        return self._regions.shape[0] * blocks <= PREPARED_DESCRIPTORS
-
     def request(self, local: np.ndarray, remote: np.ndarray) -> PreparedRequest:
         """The move of ``local[i] <- remote[i]`` (checked ids, whole blocks, one block each)."""
         li = (self._regions * self._nl + local).reshape(-1)

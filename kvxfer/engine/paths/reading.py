@@ -278,7 +278,7 @@ def _prepared_requests(kit: PathKit, view: CacheView, links: list, plans: list, 
     lists = []
     for link, plan in zip(links, plans):
         prepared = kit.prepared(link, view, plan)
-        if prepared is None or not prepared.fits(local.size):
+        if prepared is None:
             return None
         lists.append(prepared)
     for link in links:
