@@ -118,6 +118,7 @@ class Settings:
         if isinstance(backends, str):
             backends = [b.strip() for b in backends.split(",") if b.strip()]
         _check_extra_keys(extra)
+        check_cache_dtype(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None))
         lease = _lease(extra, env)
         timeout = extra.get("transfer_timeout")
         handshake = extra.get("handshake_timeout")
@@ -190,6 +191,26 @@ def _lease(extra: Mapping[str, Any], env: Mapping[str, str]) -> float:
     if env.get("KVXFER_LEASE_TIMEOUT"):
         return parse_seconds(env["KVXFER_LEASE_TIMEOUT"], "KVXFER_LEASE_TIMEOUT")
     return DEFAULT_LEASE_DURATION
+
+
+#: vLLM KV-cache dtypes whose pages kvxfer describes (docs/vllm.md, "GPU attention backends' caches"):
+#: one vector per token and head, of 16-bit or fp8 elements. The others (NVFP4, whose pages keep K data,
+#: K scales, V data and V scales as separate per-head slots; per-token-head quantized caches with their
+#: scales; TurboQuant, ...) are refused at start-up rather than moved by a description that misplaces them.
+CACHE_DTYPES = ("auto", "float16", "half", "bfloat16", "float", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_cache_dtype(cache_dtype: Any) -> None:
+    """Refuse a ``--kv-cache-dtype`` whose cache kvxfer cannot describe, at start-up, naming it.
+
+    Raises:
+        ConfigError: any dtype outside ``CACHE_DTYPES`` (NVFP4, per-token-head quantized, ...).
+    """
+    name = "auto" if cache_dtype is None else str(cache_dtype)
+    if name not in CACHE_DTYPES:
+        raise ConfigError(
+            f"--kv-cache-dtype {name!r} is not supported by KvxferConnector: its pages hold quantized values and "
+            f"their scales in an order kvxfer does not describe; supported: {', '.join(CACHE_DTYPES)}")
 
 
 def _check_extra_keys(extra: Mapping[str, Any]) -> None:

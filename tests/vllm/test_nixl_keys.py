@@ -247,3 +247,34 @@ def test_an_unknown_key_is_logged_once_as_vllm_ignores_it(caplog, monkeypatch):
         Settings.from_vllm(config({"kv_lease_duraton": 10}), environ={})
     warned = [r for r in caplog.records if "kv_lease_duraton" in r.getMessage()]
     assert len(warned) == 1
+
+
+# ---- --kv-cache-dtype ------------------------------------------------------------------------
+
+def _with_cache_dtype(name):
+    cfg = config()
+    cfg.cache_config = SimpleNamespace(cache_dtype=name)
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_4over6", "nvfp4_ds_mla", "int8_per_token_head", "turboquant_k8v4"])
+def test_a_cache_dtype_kvxfer_cannot_describe_is_refused_at_start_up_naming_it(name):
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        Settings.from_vllm(_with_cache_dtype(name), environ={})
+
+
+@pytest.mark.parametrize("name", ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", None])
+def test_cache_dtypes_kvxfer_describes_are_taken(name):
+    assert Settings.from_vllm(_with_cache_dtype(name), environ={}).role == "kv_both"
+
+
+def test_every_cache_dtype_of_this_vllm_is_taken_or_refused_by_name():
+    cache = pytest.importorskip("vllm.config.cache")
+    names = cache.CacheDType.__args__
+    assert "nvfp4" in names and "fp8_e4m3" in names
+    for name in names:
+        if name in settings_module.CACHE_DTYPES:
+            Settings.from_vllm(_with_cache_dtype(name), environ={})
+        else:
+            with pytest.raises(ConfigError, match=f"'{name}'"):
+                Settings.from_vllm(_with_cache_dtype(name), environ={})
