@@ -6,6 +6,8 @@
 #
 #   bash examples/cross_engine_cpu.sh   # PYTHON=.venv/bin/python to pick the interpreter,
 #                                       # MODEL=/path/to/hf/model to use your own model
+#                                       # (an SSM hybrid works too: the tiny GraniteMoeHybrid of
+#                                       # kvxfer_transformers.testing.make_tiny_granite_hybrid)
 #
 # vLLM's CPU attention keeps K transposed inside a block; kvxfer-hf keeps its own layout and
 # kvxfer converts (docs/engines.md). The prefill runs vLLM's block size: vLLM's decoder pairs a

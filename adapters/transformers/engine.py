@@ -7,7 +7,9 @@ producer run outside it. The three entry points mirror what vLLM does for the sa
 * ``generate``: a plain request, the whole generation here.
 * ``prefill``: ``do_remote_decode``: compute the prompt, copy every prompt token's K/V into
   pool blocks, hold them for a decoder, answer vLLM-shaped ``kv_transfer_params``, and (like
-  vLLM's prefill instance) still return the requested tokens.
+  vLLM's prefill instance) still return the requested tokens. A model with state layers holds
+  all prompt tokens but the last and answers so (``remote_num_tokens`` ``n - 1``, as vLLM's
+  prefill does: a vLLM decode loads a state only when it covers exactly ``n - 1`` tokens).
 * ``decode``: ``do_remote_prefill``: read the producer's blocks, rebuild a ``DynamicCache`` of
   all prompt tokens but the last, run the last one here (its logits give the first token, as
   vLLM's decoder recomputes the last prompt token), then decode greedily.
@@ -31,7 +33,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvxfer_transformers.params import RemotePrefill, producer_answer
 from kvxfer_transformers.pool import KVPool, ModelShape
-from kvxfer_transformers.caches import layer_states, probe_state, record_sliding, set_layer_states, trim_sliding
+from kvxfer_transformers.caches import (
+    check_state_round_trip, layer_states, probe_state, record_sliding, set_layer_states, trim_sliding,
+)
 from kvxfer_transformers.settings import ServeSettings
 from kvxfer_transformers.state import StateSlots
 from kvxfer_transformers.transfer import LoadFailed, Transfers
@@ -90,6 +94,8 @@ class HFEngine:
         model = load_model(model_dir, dtype, device)
         shape = ModelShape.from_config(model.config)
         state_layers = [i for g in shape.groups or () if g.kind == "state" for i in g.layers]
+        if state_layers:
+            check_state_round_trip(model)
         state = StateSlots(len(state_layers), probe_state(model), num_slots=STATE_SLOTS, device=device) \
             if state_layers else None
         pool = KVPool(shape, num_blocks=num_blocks, block_size=block_size,
@@ -138,6 +144,7 @@ class HFEngine:
         blocks = self.pool.allocate(self.pool.blocks_for(len(prompt)), timeout=self._timeout())
         slots: list[int] = []
         held = False
+        stored = len(prompt)   # prompt tokens whose K/V (and state) the held blocks keep
         try:
             if self.pool.state is not None:
                 slots = self.pool.allocate_slots(1, timeout=self._timeout())
@@ -147,7 +154,8 @@ class HFEngine:
                 if slots and len(prompt) > 1:
                     # a decoder recomputes the last prompt token: it needs the state before it
                     self._forward(prompt[:-1], cache)
-                    self._store(cache, blocks, len(prompt) - 1, slots)
+                    stored = len(prompt) - 1
+                    self._store(cache, blocks, stored, slots)
                     logits = self._forward(prompt[-1:], cache)
                 else:
                     logits = self._forward(prompt, cache)
@@ -163,7 +171,7 @@ class HFEngine:
         host, port = transfers.address
         params = producer_answer(request_id=request_id, block_ids=transfers.hold_ids(blocks, slots[0] if slots else None),
                                  engine_id=transfers.engine_id,
-                                 host=host, port=port, tp_size=1, num_tokens=len(prompt),
+                                 host=host, port=port, tp_size=1, num_tokens=stored,
                                  block_size=self.pool.spec.block_size,
                                  hold_token=transfers.hold_token(request_id))
         return Generation(ids, reason, params)

@@ -1,11 +1,14 @@
 """Per-request state slots of a hybrid model's SSM / linear-attention layers (layer: adapter; torch and kvxfer's public API only, no transformers).
 
 transformers keeps such a layer's cache as a few fixed-size tensors per sequence (Mamba2: the
-conv state ``[conv_dim, kernel]`` and the SSM state ``[heads, head_dim, d_state]``). Here each
-state layer owns one tensor ``[num_slots, *shape]`` per state tensor; a request owns one slot
-(the same index in every layer), registered with kvxfer as a ``StateGroup``. kvxfer-hf runs
-TP 1, so every tensor is described ``StateTensor.opaque``: it moves whole, slot to slot, between
-instances of one TP size.
+conv state ``[conv_dim, kernel]`` and the SSM state ``[heads, head_dim, d_state]``); a slot
+keeps them in vLLM's form (Mamba2: ``[kernel - 1, conv_dim]`` and ``[heads, head_dim, d_state]``;
+``kvxfer_transformers.caches`` converts). Here each state layer owns one tensor
+``[num_slots, *shape]`` per state tensor; a request owns one slot (the same index in every
+layer), registered with kvxfer as a ``StateGroup``. kvxfer-hf runs TP 1, so every tensor is
+described ``StateTensor.opaque``: it moves whole, slot to slot, between instances of one TP size
+(another kvxfer-hf, or vLLM's KvxferConnector at TP 1: a tensor's name carries its slot shape,
+so the handshake pairs only equal shapes).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class StateSlots:
             return len(self._free)
 
     def store(self, layers: Sequence[Sequence[torch.Tensor]], slot: int) -> None:
-        """Copy each layer's state tensors (transformers' shapes, batch 1) into ``slot``."""
+        """Copy each layer's state tensors (slot shapes with a batch axis of 1; views are fine) into ``slot``."""
         if len(layers) != len(self.tensors):
             raise LayoutError(f"expected the state of {len(self.tensors)} layers; got {len(layers)}")
         for mine, theirs in zip(self.tensors, layers):

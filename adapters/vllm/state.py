@@ -10,6 +10,8 @@ SSM state). vLLM 0.32's CPU worker hands the connector one byte view per layer,
 layer's pages as one byte array (the memory is the attention layers' too: kvxfer registers it
 once). The tensors are described opaque: they move whole, slot to slot, between instances of one
 TP size (the connector refuses the others). Only a page's state bytes move, never its padding.
+Each tensor's name carries its shape (``state_name``), the one thing an opaque description
+would not compare.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from kvxfer_vllm.cache import dtype_name
 
 #: names of a layer's state tensors, in page order, by their count (Mamba2 / GDN: conv then SSM)
 _NAMES = {1: ("ssm",), 2: ("conv", "ssm")}
+
+
+def state_name(kind: str, shape: Sequence[int]) -> str:
+    """A state tensor's name on the wire: its kind and its per-block shape, e.g. ``conv[3,160]``
+    (kvxfer-hf names its slots' tensors the same way): two instances pair a state group only
+    where their shapes are equal, so a conv state kept transposed (``VLLM_SSM_CONV_STATE_LAYOUT``
+    ``SD`` against ``DS``, as many bytes) is refused typed, naming both, instead of moved."""
+    return f"{kind}[{','.join(str(int(d)) for d in shape)}]"
 
 
 def _views(name: str, entry: Any, info: Any, sizes: list[int], num_blocks: int) -> list[torch.Tensor]:
@@ -76,7 +86,8 @@ def describe_state(group: Any, entries: Sequence[Any], *, num_blocks: int, tp_ra
     """
     info = group.state
     count = len(info.shapes)
-    names = _NAMES.get(count, tuple(f"state{i}" for i in range(count)))
+    names = [state_name(n, s) for n, s in zip(_NAMES.get(count, tuple(f"state{i}" for i in range(count))),
+                                                info.shapes)]
     sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
              for s, d in zip(info.shapes, info.dtypes)]
     pages: list[torch.Tensor] = []

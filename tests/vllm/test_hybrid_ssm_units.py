@@ -165,7 +165,7 @@ def test_describe_state_reads_vllms_page_view():
     caches, shared = _caches(1)
     spec, pages = describe_state(GROUPS[0], [caches["m0"], caches["m2"]], num_blocks=24, tp_rank=0, tp_size=1,
                                  model="granite")
-    assert spec.slot_stride == PAGE and spec.num_slots == 24 and [t.name for t in spec.tensors] == ["conv", "ssm"]
+    assert spec.slot_stride == PAGE and spec.num_slots == 24 and [t.name for t in spec.tensors] == ["conv[3,160]", "ssm[8,16,16]"]
     assert [t.opaque_elements for t in spec.tensors] == [480, 2048]
     assert pages[1].data_ptr() == shared[1].data_ptr() and pages[1].numel() == 24 * PAGE
     bad = torch.as_strided(shared[0].view(torch.int8).view(-1), (24, 1, 1, CONTENT - 4), (PAGE, 1, 1, 1))
@@ -238,7 +238,9 @@ def test_a_producer_with_another_state_shape_fails_the_load_typed_and_writes_not
     other = (replace(GROUPS[0], state=replace(INFO, shapes=((3, 160), (8, 16, 8)))), GROUPS[1])
     _, untouched = _failed_load(monkeypatch, other, LOAD)
     assert untouched
-    assert any("ssm" in r.getMessage() and "differs" in r.getMessage() for r in caplog.records), \
+    # the shapes are in the tensors' names: the error names both
+    assert any("state tensors differ" in r.getMessage() and "'ssm[8,16,16]'" in r.getMessage()
+               and "'ssm[8,16,8]'" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
 
 
