@@ -24,7 +24,8 @@ from kvxfer import Agent, AgentConfig, KVSpec, KvxferError, LeaseExpiredError, R
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", layout="NHD", model="example-model")
-PORTS = (5730, 5731)
+BASE = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5730"))  # the side channels: BASE, BASE + 1 (prefill), BASE + 2 (decode)
+PORTS = (BASE, BASE + 1)
 
 
 def make_cache(seed: int) -> list[np.ndarray]:
@@ -62,7 +63,7 @@ def main() -> None:
             raise SystemExit("a prefill instance did not start")
     cache = make_cache(seed=9)
     sources = [make_cache(seed=1), make_cache(seed=2)]
-    with Agent("decode", SPEC, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=5732)) as agent:
+    with Agent("decode", SPEC, AgentConfig(side_channel_host="127.0.0.1", side_channel_port=BASE + 2)) as agent:
         agent.register(cache)
         # Step 1: four loads from each instance, one call.
         loads = [(index, i) for i in range(4) for index in range(2)]

@@ -10,6 +10,7 @@ Here the caches are numpy arrays in host memory; on a GPU they are vLLM's tensor
 """
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from kvxfer import Agent, AgentConfig, KVSpec
 HEAD_SIZE = 32
 COMMON = dict(num_layers=2, num_kv_heads=4, head_dim=2 * HEAD_SIZE, block_size=16, num_blocks=8,
               dtype="float16", kv_fused=True, model="example-model")
-PORT = 5760
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5760"))
 PREFILL_BLOCKS, DECODE_BLOCKS = [5, 0, 3], [1, 6, 2]
 
 

@@ -10,6 +10,7 @@ The prefill side is HND and the decode side NHD: the pack converts the layout on
 """
 
 import multiprocessing as mp
+import os
 import sys
 
 import numpy as np
@@ -19,7 +20,7 @@ from kvxfer import Agent, AgentConfig, KVSpec
 COMMON = dict(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", model="example-model")
 PREFILL, DECODE = KVSpec(**COMMON, layout="HND"), KVSpec(**COMMON, layout="NHD")
-PORT = 5730
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5730"))
 SRC, DST = [40, 3, 17, 18, 9, 60], [0, 1, 2, 30, 31, 5]   # fragmented block ids, token order
 
 

@@ -7,6 +7,7 @@ permuted into NHD on arrival).
 """
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from kvxfer import Agent, AgentConfig, KVSpec
 
 COMMON = dict(num_layers=2, num_kv_heads=4, head_dim=32, block_size=8, num_blocks=32,
               dtype="float16", model="example-model")
-PORT = 5720  # prefill rank r listens on PORT + r
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5720"))  # prefill rank r listens on PORT + r
 
 
 def cache_for(spec: KVSpec, seed: int) -> list[np.ndarray]:

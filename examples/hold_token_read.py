@@ -12,6 +12,7 @@ does (vLLM's scheduler): ``TokenBook.issue`` gives it and ``Agent.hold(..., toke
 """
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, LeaseExpiredError, Rea
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", layout="NHD", model="example-model")
-PORT = 5730
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5730"))
 
 
 def make_cache(seed: int) -> list[np.ndarray]:

@@ -10,13 +10,14 @@ tokens [24, 44) of 42), and the state slot move, under one claim and in one post
 """
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, AttentionGroup, HybridSpec, KVSpec, StateGroup, StateSpec
 from kvxfer.layout import mamba2_state
 
-PORT = 5760
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5760"))
 PROMPT = 42  # tokens: 11 blocks of 4
 PREFILL = ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [3])
 DECODE = ([40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [0])

@@ -6,6 +6,7 @@ each rank's port; docs/metrics.md lists every metric.
 """
 
 import multiprocessing as mp
+import os
 import time
 import urllib.request
 
@@ -15,7 +16,7 @@ from kvxfer import Agent, AgentConfig, KVSpec
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", layout="NHD", model="example-model")
-PORT = 5740
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5740"))
 
 
 def make_cache(seed: int) -> list[np.ndarray]:

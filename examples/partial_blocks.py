@@ -8,13 +8,14 @@ decode's second block are left as they were.
 """
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec
 
 COMMON = dict(num_layers=2, num_kv_heads=4, head_dim=32, num_blocks=16, dtype="float16", model="example-model")
-PORT = 5740
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5740"))
 PROMPT = 21
 PREFILL_BLOCKS = [7, 1, 2, 3, 12, 5]   # ceil(21 / 4) = 6
 DECODE_BLOCKS = [9, 4]                 # ceil(21 / 16) = 2

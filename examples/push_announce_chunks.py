@@ -12,6 +12,7 @@ Run:  python examples/push_announce_chunks.py
 """
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -20,7 +21,8 @@ from kvxfer import Agent, AgentConfig, KVSpec, RequestState
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=32,
               dtype="bfloat16", model="example-model")
-DECODE_PORT, PREFILL_PORT = 5750, 5755
+DECODE_PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5750"))
+PREFILL_PORT = DECODE_PORT + 5
 PREFILL_BLOCKS = [9, 3, 12, 4]      # where the prefill side keeps the request's KV, token order
 DECODE_BLOCKS = [20, 21, 2, 30]     # where the decode side reserved room for it
 

@@ -8,6 +8,7 @@ Run:  python examples/push_write_and_abort.py
 """
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -16,7 +17,8 @@ from kvxfer import Agent, AgentConfig, KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=32,
               dtype="bfloat16", model="example-model")
-DECODE_PORT, PREFILL_PORT = 5740, 5745
+DECODE_PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5740"))
+PREFILL_PORT = DECODE_PORT + 5
 
 
 def cache(seed: int) -> list[np.ndarray]:

@@ -10,6 +10,7 @@ learns from ``keepalive`` that the released request is gone.
 """
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from kvxfer import Agent, AgentConfig, KVSpec, ReleaseOutcome, RequestState, Wai
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=32,
               dtype="bfloat16", model="example-model")
-PORT = 5760
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5760"))
 
 
 def cache(seed: int) -> list[np.ndarray]:

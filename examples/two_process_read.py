@@ -6,6 +6,7 @@ computing a request's KV, `decode` what a decode worker does before decoding it.
 """
 
 import multiprocessing as mp
+import os
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from kvxfer import Agent, AgentConfig, KVSpec, RequestState
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=64,
               dtype="bfloat16", layout="NHD", model="example-model")
-PORT = 5710
+PORT = int(os.environ.get("KVXFER_EXAMPLE_PORT", "5710"))
 
 
 def make_cache(seed: int) -> list[np.ndarray]:

@@ -1,21 +1,77 @@
-"""Every example in examples/ runs to completion (each checks its own result and exits non-zero if wrong)."""
+"""Every example in examples/ runs to completion (each checks its own result and exits non-zero if wrong).
+
+The examples run side by side, a few at a time, each in its own process: they spend most of
+their time starting processes and waiting on peers. Each is given ports of its own through
+``KVXFER_EXAMPLE_PORT`` (the base of the fixed ports it names; unset, it uses its own default).
+"""
 
 import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 
+from kvxfer.testing import free_port_block
+
 EXAMPLES = sorted(pathlib.Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.py"))
+AT_ONCE = 3            # examples running at a time (the CI host has 2 cores; the examples mostly wait)
+EXAMPLE_TIMEOUT = 240  # seconds, each
+PORTS_EACH = 20        # an example binds at most its base port + 19
+
+
+def _run(path: pathlib.Path, port: int) -> subprocess.CompletedProcess | BaseException:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KVXFER_EXAMPLE_PORT=str(port))
+    try:
+        return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT,
+                              env=env, cwd=path.parent.parent)
+    except BaseException as exc:  # noqa: BLE001 - reported by the example's own test
+        return exc
+
+
+@pytest.fixture(scope="module")
+def example_runs():
+    """Start every example now, ``AT_ONCE`` at a time, each on its own ports; each test waits
+    for its own example's outcome."""
+    results: dict[pathlib.Path, object] = {}
+    done = {path: threading.Event() for path in EXAMPLES}
+    ports = {path: free_port_block(PORTS_EACH) for path in EXAMPLES}
+    slots = threading.Semaphore(AT_ONCE)
+
+    def one(path):
+        with slots:
+            results[path] = _run(path, ports[path])
+            done[path].set()
+
+    threads = [threading.Thread(target=one, args=(path,), daemon=True) for path in EXAMPLES]
+    for t in threads:
+        t.start()
+    yield results, done
+    for t in threads:
+        t.join()
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs(path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=path.parent.parent)
+def test_example_runs(path, example_runs):
+    results, done = example_runs
+    assert done[path].wait(EXAMPLE_TIMEOUT * len(EXAMPLES)), f"{path.name} did not end"
+    proc = results[path]
+    if isinstance(proc, BaseException):
+        raise proc
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_every_example_with_fixed_ports_takes_its_base_from_the_environment():
+    """Examples run side by side only if none binds a fixed port the environment cannot move."""
+    import re
+
+    for path in EXAMPLES:
+        text = path.read_text()
+        fixed = [m for m in re.findall(r"side_channel_port=(\d+)", text)]
+        assert not fixed, f"{path.name} binds fixed port(s) {fixed}"
+        if re.search(r"^(PORT|BASE|DECODE_PORT) = ", text, re.M):
+            assert "KVXFER_EXAMPLE_PORT" in text, path.name
 
 
 def test_there_are_examples():
