@@ -49,6 +49,7 @@ import numpy as np
 from kvxfer.engine.readpaths import StepRead
 from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError, TransferTimeoutError
 from kvxfer.layout import notify_ranks, peer_ranks
+from kvxfer.protocol import encode_notification
 from kvxfer.types import TransferPath
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class PendingRead:
     request_id: str
     deadline: float | None
     timeout: float | None
-    note: bytes
+    note_key: tuple           # (engine id, auth key): its completion note is made where a path needs one
     started: float            # perf_counter at the call
     same_format: bool = False
     num_tokens: int | None = None         # the tokens it moves, last blocks partial (None: every token)
@@ -83,10 +84,19 @@ class PendingRead:
     token: object = None                   # the producer's ``HoldToken``, or None (issue 35)
     tokened: bool = False                  # moving by its token, with no claim: no lane takes it
     step_route: tuple | None = None        # (route, n): planned with the n reads sharing that route
+    _note: bytes | None = None
 
     @property
     def live(self) -> bool:
         return not self.req.finished and self.req.error is None
+
+    @property
+    def note(self) -> bytes:
+        """The NIXL notification that tells the producer this read is done (made on first use:
+        a kernel's or a step's shared post notifies through the done lane and needs none)."""
+        if self._note is None:
+            self._note = encode_notification(self.request_id, *self.note_key)
+        return self._note
 
 
 def rank_port(head: "PeerLink", rank: int) -> int:
@@ -406,7 +416,7 @@ class ReadFlow:
                 return
             links = live[0].route.links
             try:
-                parts = agent.paths.launch_ipc(links, [StepRead(r.local, r.remote_ids, r.note) for r in live])
+                parts = agent.paths.launch_ipc(links, [StepRead(r.local, r.remote_ids, b"") for r in live])  # done lane
             except KvxferError as exc:
                 for r in live:
                     self._fail(r, exc)
@@ -471,7 +481,7 @@ class ReadFlow:
             with agent.engine.posting([r.req for r in group]) as live_reqs:
                 if len(live_reqs) == len(group) == group[0].step_route[1]:
                     try:
-                        parts = agent.paths.direct_shared(group[0].route, [StepRead(r.local, r.remote_ids, r.note)
+                        parts = agent.paths.direct_shared(group[0].route, [StepRead(r.local, r.remote_ids, b"")
                                                                            for r in group])
                     except KvxferError as exc:
                         self._fail_all(group, exc)

@@ -124,7 +124,7 @@ class Submissions:
         # window from its receipt of the claim, so it frees the blocks no earlier than we stop.
         deadlines: dict = {}
         addresses: dict = {}
-        engine_id, key, default = agent.engine_id, agent.config.auth_key, agent.config.transfer_timeout
+        note_key, default = (agent.engine_id, agent.config.auth_key), agent.config.transfer_timeout
         out = []
         for rr, local, remote_ids in zip(requests, locals_, remotes):
             timeout = default if rr.timeout is None else rr.timeout
@@ -140,11 +140,10 @@ class Submissions:
                 remote = address(rr.remote)
                 with contextlib.suppress(TypeError):
                     addresses[rr.remote] = remote
-            note = encode_notification(rr.request_id, engine_id, key)
             num_tokens = rr.num_tokens
             if num_tokens is not None:  # the local side's share of the rule; the remote's is known once linked
                 num_tokens = check_token_count("local", local.size, agent.spec.block_size, num_tokens)
-            out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note, started,
+            out.append(PendingRead(None, remote, local, remote_ids, rr.request_id, deadline, timeout, note_key, started,
                                    same_format=bool(rr.same_format), num_tokens=num_tokens, token=rr.token))
         return out
 
