@@ -45,6 +45,15 @@ STEPS = [
     ("kvxfer.gpu.ops", "PairKernel", "launch"),
     ("kvxfer.engine.posted", "DirectJob", "__init__"),
     ("kvxfer.agent.notices", "DoneSender", "_run"),
+    # the caller's share of a step, finer (module functions are wrapped where the caller imports them)
+    ("kvxfer.agent.submit", "Submissions", "_pending_reads"),
+    ("kvxfer.agent.submit", None, "check_block_id_lists"),
+    ("kvxfer.agent.submit", None, "ready_links"),
+    ("kvxfer.agent.reads", "ReadFlow", "start_here"),
+    ("kvxfer.agent.reads", "ReadFlow", "_route_step"),
+    ("kvxfer.agent.reads", "ReadFlow", "_start_tokened"),
+    ("kvxfer.engine.readpaths", "ReadPaths", "launch_ipc"),
+    ("kvxfer.engine.transfers", "TransferEngine", "_succeed"),
 ]
 
 EVENTS: list[tuple[float, str, str]] = []
@@ -57,17 +66,17 @@ def _mark(label: str) -> None:
 def _wrap(module: str, cls: str, name: str) -> None:
     import importlib
 
-    owner = getattr(importlib.import_module(module), cls, None)
+    owner = importlib.import_module(module) if cls is None else getattr(importlib.import_module(module), cls, None)
     fn = getattr(owner, name, None)
     if fn is None:
         return
 
     def wrapper(*args, **kwargs):
-        _mark(f"{cls}.{name} >")
+        _mark(f"{cls or module.rsplit('.', 1)[-1]}.{name} >")
         try:
             return fn(*args, **kwargs)
         finally:
-            _mark(f"{cls}.{name} <")
+            _mark(f"{cls or module.rsplit('.', 1)[-1]}.{name} <")
     setattr(owner, name, wrapper)
 
 

@@ -210,11 +210,11 @@ class ReadFlow:
                 c.staging_bytes for chunks in r.route.requests for c in chunks)))]
         if not tokened:
             return routed
-        for r in tokened:  # the look is in place before anything moves: no completion can skip it
+        self.launch(tokened)  # the kernel first: what follows runs while it moves the bytes
+        for r in tokened:  # the look is in place before the grant, so no success can skip it
             r.tokened = True
             r.req.verify = agent.tokens.verifier(view, r.request_id, r.token)
             r.req.stats.by_token = True  # issue 35 (s2): TransferStats says the read claimed nothing
-        self.launch(tokened)  # the kernel first: the grants below run while it moves the bytes
         for r in tokened:
             agent.engine.grant(r.req)
         direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]

@@ -105,18 +105,24 @@ def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndar
         return [check_block_ids(side, ids, bound) for ids in lists]
     arrays = [np.asarray(ids) for ids in lists]
     kind = arrays[0].dtype
-    if any(a.ndim != 1 or a.dtype != kind for a in arrays) or kind.kind not in "iu":
+    if kind.kind not in "iu" or any(a.dtype != kind for a in arrays):
         return [check_block_ids(side, ids, bound) for ids in lists]
-    sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    flat = np.concatenate(arrays)
+    try:
+        flat = np.concatenate(arrays)  # a 0-D list, or lists of other ndims, raise
+    except ValueError:
+        return [check_block_ids(side, ids, bound) for ids in lists]
+    if flat.ndim != 1:  # every list 2-D or more
+        return [check_block_ids(side, ids, bound) for ids in lists]
     if flat.size:
         top = int(flat.max())
         if flat.min() < 0 or top >= bound:
             return [check_block_ids(side, ids, bound) for ids in lists]  # raises, naming the id
+        sizes = [a.size for a in arrays]
         owner = np.repeat(np.arange(len(arrays), dtype=np.int64), sizes)
         span = top + 1  # every id is below it: (list, id) as one integer when it fits
+        flat = flat.astype(np.int64, copy=False)
         if span * len(arrays) < 2**62:
-            keys = np.sort(owner * span + flat.astype(np.int64, copy=False))
+            keys = np.sort(owner * span + flat)
             repeated = bool((keys[1:] == keys[:-1]).any())
         else:
             order = np.lexsort((flat, owner))
@@ -124,7 +130,12 @@ def check_block_id_lists(side: str, lists: Sequence, bound: int) -> list[np.ndar
             repeated = bool(np.any((ids[1:] == ids[:-1]) & (who[1:] == who[:-1])))
         if repeated:
             return [check_block_ids(side, ids, bound) for ids in lists]  # raises, naming the id
-    return [a.astype(np.int64, copy=False) if a.size else np.zeros(0, dtype=np.int64) for a in arrays]
+    # views of the one int64 copy, list by list
+    out, at = [], 0
+    for a in arrays:
+        out.append(flat[at:at + a.size] if a.size else np.zeros(0, dtype=np.int64))
+        at += a.size
+    return out
 
 
 def merge_rows(loc: np.ndarray, rem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
