@@ -218,6 +218,11 @@ class AgentConfig:
             progress) get the interpreter only at such a switch: with the producer's engine thread
             100% busy a claimed read took 3x its idle time at 5 ms and 1x at 0.5 ms
             (docs/benchmarks.md, "Busy engines"). It is process-wide: the engine owner's choice.
+        peer_idle_ttl: seconds a producer's link may go unused before this agent forgets it (env
+            ``KVXFER_PEER_IDLE_TTL``): its side-channel session closes and the backend drops the
+            peer's metadata; a later read handshakes afresh. A link with a read of this agent in
+            flight or quarantined on its host is kept. ``None`` (default) or ``0``: never forget a
+            live peer (vLLM's ``engine_ttl``).
     """
 
     side_channel_host: str | None = None
@@ -242,6 +247,7 @@ class AgentConfig:
     num_threads: int = 0
     hold_words: int = 65_536
     switch_interval: float | None = None
+    peer_idle_ttl: float | None = None
 
     def __post_init__(self) -> None:
         set_ = partial(object.__setattr__, self)
@@ -274,6 +280,11 @@ class AgentConfig:
                 raise ConfigError(f"switch_interval must be a number of seconds in (0, 0.1] or None; "
                                   f"got {self.switch_interval!r}")
             set_("switch_interval", float(seconds))
+        if self.peer_idle_ttl is not None:
+            ttl = self.peer_idle_ttl
+            if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real) or not ttl >= 0 or ttl == float("inf"):
+                raise ConfigError(f"peer_idle_ttl must be a number of seconds >= 0 or None; got {ttl!r}")
+            set_("peer_idle_ttl", float(ttl) if ttl > 0 else None)
         set_("max_message_bytes", check_count(self.max_message_bytes, "max_message_bytes", MIN_MESSAGE_BYTES))
         if not isinstance(self.transfer_path, str) or self.transfer_path not in TRANSFER_PATHS:
             raise ConfigError(f"transfer_path must be one of {', '.join(TRANSFER_PATHS)}; "
@@ -367,6 +378,12 @@ class AgentConfig:
         switch = os.environ.get("KVXFER_SWITCH_INTERVAL")
         if switch and switch.strip():
             values["switch_interval"] = parse_seconds(switch.strip(), "KVXFER_SWITCH_INTERVAL")
+        ttl = os.environ.get("KVXFER_PEER_IDLE_TTL")
+        if ttl and ttl.strip():
+            try:
+                values["peer_idle_ttl"] = float(ttl)
+            except ValueError:
+                raise ConfigError(f"KVXFER_PEER_IDLE_TTL must be a number of seconds; got {ttl!r}") from None
         values.update(overrides)
         return cls(**values)
 

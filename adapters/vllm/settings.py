@@ -20,6 +20,7 @@ ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
 DEFAULT_LEASE_DURATION = 30.0     # kv_lease_duration
 DEFAULT_NUM_THREADS = 4           # num_threads
 DEFAULT_DECODER_TTL = 480.0       # decoder_kv_blocks_ttl (used with bidirectional_kv_xfer)
+DEFAULT_ENGINE_TTL = 3600.0       # engine_ttl: forget a remote engine unused that long (<= 0: never)
 DEFAULT_RECOMPUTE_THRESHOLD = 64  # kv_recompute_threshold (likewise)
 
 #: Keys of kv_connector_extra_config this adapter understands (docs/vllm.md, "Configuration keys"):
@@ -65,6 +66,9 @@ class Settings:
             instance handed those params with a request loads the tokens they cover instead of
             computing them (unless fewer than ``recompute_threshold``), whatever ``role`` says.
         decoder_ttl: kv_connector_extra_config.decoder_kv_blocks_ttl (vLLM's 480 s).
+        engine_ttl: kv_connector_extra_config.engine_ttl (vLLM's 3,600 s): a producer's link unused
+            that long is forgotten (``AgentConfig.peer_idle_ttl``; its session closed, its NIXL
+            metadata dropped; a later load handshakes afresh); <= 0: never.
         recompute_threshold: kv_connector_extra_config.kv_recompute_threshold (vLLM's 64 tokens; 0: always load).
         use_hold_tokens: a decode instance's loads read by the producer's ``remote_hold_token``
             (no claim: none of the prefill instance's CPU; docs/reliability.md, "hold tokens")
@@ -88,6 +92,7 @@ class Settings:
     decoder_ttl: float = DEFAULT_DECODER_TTL
     recompute_threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
     use_hold_tokens: bool = True
+    engine_ttl: float = DEFAULT_ENGINE_TTL
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -141,6 +146,7 @@ class Settings:
             recompute_threshold=_count(extra.get("kv_recompute_threshold", DEFAULT_RECOMPUTE_THRESHOLD),
                                        "kv_recompute_threshold"),
             use_hold_tokens=parse_flag(extra.get("use_hold_tokens", True), "kv_connector_extra_config.use_hold_tokens"),
+            engine_ttl=_number(extra.get("engine_ttl", DEFAULT_ENGINE_TTL), "engine_ttl"),
         )
 
     @property
@@ -151,7 +157,8 @@ class Settings:
     def agent_config(self) -> AgentConfig:
         """The kvxfer AgentConfig: side-channel host/port from the environment (KVXFER_*, then VLLM_NIXL_*)."""
         overrides: dict[str, Any] = {"dp_rank": self.dp_rank, "allow_conversion": self.allow_conversion,
-                                     "num_threads": self.num_threads}
+                                     "num_threads": self.num_threads,
+                                     "peer_idle_ttl": self.engine_ttl if 0 < self.engine_ttl < float("inf") else None}
         if self.backends is not None:
             overrides["backends"] = self.backends
         if self.lease is not None:
@@ -217,15 +224,8 @@ def _check_extra_keys(extra: Mapping[str, Any]) -> None:
     """Refuse the NixlConnector keys kvxfer cannot honour; log unknown keys once.
 
     Raises:
-        ConfigError: ``engine_ttl`` > 0 (kvxfer has no idle timeout for peers), ``enforce_handshake_compat``
-            false (kvxfer always checks).
+        ConfigError: ``enforce_handshake_compat`` false (kvxfer always checks).
     """
-    ttl = extra.get("engine_ttl")
-    if ttl is not None and _number(ttl, "engine_ttl") > 0:   # vLLM: <= 0 never forgets, as kvxfer does
-        raise ConfigError(
-            f"kv_connector_extra_config.engine_ttl={ttl!r} cannot be honoured: kvxfer keeps a producer's "
-            "side-channel session until that producer is lost or restarts (it then handshakes afresh) and "
-            "has no idle timeout; remove engine_ttl or set it to 0 (docs/vllm.md, 'Configuration keys')")
     if not parse_flag(extra.get("enforce_handshake_compat", True), "kv_connector_extra_config.enforce_handshake_compat"):
         raise ConfigError(
             "kv_connector_extra_config.enforce_handshake_compat=false cannot be honoured: kvxfer always compares "

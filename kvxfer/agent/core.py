@@ -143,7 +143,7 @@ class Agent:
         self._peers = PeerDirectory(self._codec, self._peer_info, backend.add_peer,
                                     backend.remove_peer, self.config.handshake_timeout,
                                     getattr(backend, "connect", None), channel=self._transport.channel,
-                                    express=self.config.express_port is not None)
+                                    express=self.config.express_port is not None, now=self._clock.now)
         self._claims = Claims(self._peers, self.engine_id, self.config.handshake_timeout, defer=self._defer)
         self._done = DoneSender(self.engine_id, self._claims.ask_engine, notify=self._notify_done)
         self._reads = ReadFlow(parts)

@@ -54,6 +54,7 @@ class AgentParts:
         self.address: tuple[str, int] | None = None  # the side channel's (host, port) once listening
         self.closed = False
         self.expired_at = 0.0             # when leases were last expired (progress.drive_once)
+        self.idle_swept_at = 0.0          # when idle peers were last looked for (``peer_idle_ttl``)
         # the Agent's hooks
         self.check_open: Callable[[], None] = _unset
         self.require_cache: Callable[[], Any] = _unset

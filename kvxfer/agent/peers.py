@@ -152,7 +152,7 @@ class PeerDirectory:
     def __init__(self, codec: Codec, local_info: Callable[[], PeerInfo], add_peer: Callable[[bytes], str],
                  remove_peer: Callable[[str], None], timeout: float,
                  connect: Callable[[str], None] | None = None, channel: Callable[..., Channel] | None = None,
-                 express: bool = True) -> None:
+                 express: bool = True, now: Callable[[], float] = time.monotonic) -> None:
         self._codec = codec
         self._local_info = local_info
         self._add_peer = add_peer
@@ -161,7 +161,9 @@ class PeerDirectory:
         self._connect = connect
         self._channel = channel or SideChannelClient  # (host, port, max_bytes=) -> Channel
         self._express = express   # attach an express lane where the peer offers one
+        self._now = now           # the agent's clock (``forget_idle``)
         self._links: dict[tuple[str, int], PeerLink] = {}
+        self._used: dict[tuple[str, int], float] = {}   # when each link was last handed out (``now``)
         self._gates: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -185,6 +187,7 @@ class PeerDirectory:
         with self._lock:
             link = self._links.get(key)
             gate = self._gates.setdefault(key, threading.Lock())
+            self._used[key] = self._now()
         if link is not None and not refresh and link.healthy():
             return link
         with gate:  # one handshake per address at a time: concurrent callers share its link
@@ -202,8 +205,11 @@ class PeerDirectory:
 
     def cached(self, host: str, port: int) -> PeerLink | None:
         """The link to host:port if one is handshaken and healthy, else None; never does I/O."""
+        key = (host, int(port))
         with self._lock:
-            link = self._links.get((host, int(port)))
+            link = self._links.get(key)
+            if link is not None:
+                self._used[key] = self._now()
         return link if link is not None and link.healthy() else None
 
     def call(self, host: str, port: int, op: Callable[[PeerLink], T], *, engine_id: str | None = None) -> T:
@@ -300,6 +306,27 @@ class PeerDirectory:
         except KvxferError as exc:
             log.warning("express lane to %s (%s:%d) not opened: %s; its requests use the side channel",
                         info.engine_id, host, info.express_port, exc)
+
+    def forget_idle(self, ttl: float, busy: Callable[[PeerLink], bool]) -> list[PeerLink]:
+        """Forget the links not handed out for ``ttl`` seconds for which ``busy(link)`` is False
+        (a read may still use it): each is closed and its backend peer removed, as ``drop`` does;
+        the next request to that address handshakes afresh. Returns the links forgotten."""
+        now = self._now()
+        with self._lock:
+            idle = [link for key, link in self._links.items() if now - self._used.get(key, now) >= ttl]
+        gone = []
+        for link in idle:
+            if busy(link):
+                continue
+            key = (link.host, link.port)
+            with self._lock:  # handed out again meanwhile: kept
+                if self._links.get(key) is not link or now - self._used.get(key, now) < ttl:
+                    continue
+                del self._links[key]
+                self._used.pop(key, None)
+            self._forget(link)
+            gone.append(link)
+        return gone
 
     def links(self) -> list[PeerLink]:
         with self._lock:

@@ -59,7 +59,22 @@ def drive_once(agent: "AgentParts") -> tuple[bool, int]:
     if now - agent.expired_at > 0.01:
         agent.expired_at = now
         agent.leases.expire()
+    ttl = agent.config.peer_idle_ttl
+    if ttl is not None and agent.peers is not None and now - agent.idle_swept_at >= min(ttl / 4, 30.0):
+        agent.idle_swept_at = now
+        forget_idle_peers(agent, ttl)
     return busy, moving
+
+
+def forget_idle_peers(agent: "AgentParts", ttl: float) -> None:
+    """Forget the producers' links unused for ``ttl`` seconds (``AgentConfig.peer_idle_ttl``),
+    except those a read of this agent may still use: one with parts on that peer (in flight or
+    quarantined), or one in flight to that host and not yet posted."""
+    in_use = agent.engine.peers_in_use() if agent.engine is not None else set()
+    hosts = {host for host, _ in list(agent.read_remotes.values())}
+    for link in agent.peers.forget_idle(ttl, lambda link: link.agent_name in in_use or link.host in hosts):
+        log.info("kvxfer: forgot %s at %s:%d, unused for %.0f s (peer_idle_ttl); a later read handshakes afresh",
+                 link.engine_id, link.host, link.port, ttl)
 
 
 def run_progress(agent: "AgentParts") -> None:

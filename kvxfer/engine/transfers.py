@@ -645,6 +645,12 @@ class TransferEngine:
         if succeed:
             self._succeed(req, Event.LANDED)
 
+    def peers_in_use(self) -> set[str]:
+        """Backend names of the peers a request in flight or quarantined has parts with."""
+        with self._lock:
+            reqs = list(self._requests.values()) + list(self._quarantine.values())
+        return {part.peer for req in reqs for part in req.parts}
+
     def moving(self) -> int:
         """How the progress loop should poll: 2 while a posted request has a backend transfer
         (UCX moves host-memory data inside the polls: spin), 1 while only jobs that move their

@@ -99,9 +99,8 @@ def test_heartbeats_keep_a_producers_hold_past_its_lease():
 # ---- engine_ttl, enforce_handshake_compat, bidirectional_kv_xfer ----------------------------
 
 @pytest.mark.parametrize("extra, key", [
-    ({"engine_ttl": 3600}, "engine_ttl"),
-    ({"engine_ttl": "1.5"}, "engine_ttl"),
     ({"engine_ttl": "never"}, "engine_ttl"),
+    ({"engine_ttl": True}, "engine_ttl"),
     ({"enforce_handshake_compat": False}, "enforce_handshake_compat"),
     ({"enforce_handshake_compat": "false"}, "enforce_handshake_compat"),
     ({"enforce_handshake_compat": "sometimes"}, "enforce_handshake_compat"),
@@ -118,12 +117,20 @@ def test_keys_kvxfer_cannot_honour_are_refused_at_start_up_naming_them(extra, ke
 
 
 @pytest.mark.parametrize("extra", [
-    {"engine_ttl": 0}, {"engine_ttl": -1},           # vLLM: never forget a remote engine, as kvxfer
+    {"engine_ttl": 0}, {"engine_ttl": -1},           # vLLM: never forget a remote engine
+    {"engine_ttl": 3600}, {"engine_ttl": "1.5"},      # forget one unused that long
     {"enforce_handshake_compat": True},              # vLLM's default: kvxfer always checks
     {"bidirectional_kv_xfer": False, "decoder_kv_blocks_ttl": 480, "kv_recompute_threshold": 64},
 ])
 def test_values_kvxfer_honours_are_accepted(extra):
     Settings.from_vllm(config(extra), environ={})
+
+
+def test_engine_ttl_defaults_to_vllms_hour_and_becomes_the_agents_peer_idle_ttl():
+    assert Settings.from_vllm(config(), environ={}).agent_config().peer_idle_ttl == 3600.0
+    assert Settings.from_vllm(config({"engine_ttl": "1.5"}), environ={}).agent_config().peer_idle_ttl == 1.5
+    for never in (0, -1):
+        assert Settings.from_vllm(config({"engine_ttl": never}), environ={}).agent_config().peer_idle_ttl is None
 
 
 # ---- bidirectional_kv_xfer, decoder_kv_blocks_ttl, kv_recompute_threshold -----------------------
