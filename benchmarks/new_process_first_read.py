@@ -12,7 +12,8 @@ contact (no ``connect()``: the handshake is in the read) and once warm, the same
 * agent a1 of any consumer: a new agent in a process that already read (a new peer, no
   per-process first use).
 
-Per read: wall time, set-up (call to post), post to done, the consumer's CPU time, and for a0's
+Per read: wall time, set-up (call to post), post to done, the consumer's CPU time and page
+faults (``ru_minflt``, all its threads), and for a0's
 first read the Python modules the consumer imported during it (lazy imports on the read path);
 the producer reports the modules it imported while serving its first read. ``--untouched``
 leaves the consumer's cache pages untouched before the reads (``np.zeros``: the first read then
@@ -79,16 +80,16 @@ def _consumer(host, c: int, producer_address: str, blocks: int, n: int, untouche
             t.fill(3)
     remote = (producer_address, PORT)
 
-    def cpu() -> float:
+    def usage() -> tuple[float, int]:
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
+        return r.ru_utime + r.ru_stime, r.ru_minflt
 
     def one(agent, rid: str, local, remote_ids) -> dict:
-        c0, t0 = cpu(), time.perf_counter()
+        (c0, f0), t0 = usage(), time.perf_counter()
         stats = agent.read(remote, local, remote_ids, rid, timeout=300).wait()
-        wall, c1 = time.perf_counter() - t0, cpu()
+        wall, (c1, f1) = time.perf_counter() - t0, usage()
         return {"ms": wall * 1e3, "setup": stats.setup_seconds * 1e3, "post_to_done": stats.seconds * 1e3,
-                "cpu_ms": (c1 - c0) * 1e3}
+                "cpu_ms": (c1 - c0) * 1e3, "faults": f1 - f0}
 
     rows = []
     for a in (0, 1):
@@ -121,7 +122,8 @@ def _line(name: str, rs: list[dict]) -> str:
     return (f"{name:>44}: n={len(rs)} first {med('first', 'ms'):.1f} ms, warm {med('warm', 'ms'):.1f} ms, "
             f"first - warm {statistics.median(gaps):+.1f} ms {gaps}; first: setup {med('first', 'setup'):.1f}, "
             f"post->done {med('first', 'post_to_done'):.1f} (warm {med('warm', 'post_to_done'):.1f}), "
-            f"CPU {med('first', 'cpu_ms'):.1f} (warm {med('warm', 'cpu_ms'):.1f}); "
+            f"CPU {med('first', 'cpu_ms'):.1f} (warm {med('warm', 'cpu_ms'):.1f}), "
+            f"page faults {med('first', 'faults'):.0f} (warm {med('warm', 'faults'):.0f}); "
             f"Agent() {statistics.median(x['agent_ms'] for x in rs):.1f} ms, "
             f"register {statistics.median(x['register_ms'] for x in rs):.1f} ms")
 
