@@ -172,7 +172,8 @@ def main() -> None:
             if producer.is_alive():
                 producer.kill()
     print(f"load after: {os.getloadavg()}")
-    print(_line("new consumer process, new producer process", [r for r in rows if r["consumer"] == 0 and not r["agent"]]))
+    print(_line("new consumer process, new producer process",
+                [r for r in rows if r["consumer"] == 0 and not r["agent"]]))
     print(_line("new consumer process, producer already served", [r for r in rows if r["consumer"] and not r["agent"]]))
     print(_line("second agent of a consumer process", [r for r in rows if r["agent"]]))
     if args.json:

@@ -178,7 +178,8 @@ class Worker:
     def measure(self, method: str, requests: list[dict], tokens: int, iters: int, warmup: int,
                 options: dict) -> dict:
         """Time ``method`` ``iters`` times (after ``warmup``), verifying every timed transfer."""
-        fn = {**methods.CONSUMER, **agentmethods.CONSUMER, **netmethods.CONSUMER, **firstcontact.CONSUMER, **newprocess.CONSUMER,
+        fn = {**methods.CONSUMER, **agentmethods.CONSUMER, **netmethods.CONSUMER, **firstcontact.CONSUMER,
+              **newprocess.CONSUMER,
               **mooncake.CONSUMER}[method]
         return fn(self, requests, tokens, iters, warmup, options)
 
@@ -186,7 +187,8 @@ class Worker:
     def prepare(self, method: str, consumer: str, request: dict, tokens: int, rounds: int,
                 options: dict) -> dict:
         """The producer's set-up for ``method`` that must be done before ``measure`` starts."""
-        fn = {**methods.PREPARE, **agentmethods.PREPARE, **netmethods.PREPARE, **firstcontact.PREPARE, **newprocess.PREPARE,
+        fn = {**methods.PREPARE, **agentmethods.PREPARE, **netmethods.PREPARE, **firstcontact.PREPARE,
+              **newprocess.PREPARE,
               **mooncake.PREPARE}.get(method)
         return {} if fn is None else fn(self, consumer, request, tokens, rounds, options)
 
