@@ -14,6 +14,10 @@ the consumer process's CPU time, and from the backend: how long NIXL's post took
 thread, and how many status polls the transfer needed until done (a post that returns at once
 and many polls: UCX queued the operations behind the endpoint's wire-up and they drained one
 progress call at a time). The first round is the process's first agent and is reported apart.
+The consumer's cache is a fresh ``np.zeros``, never written: before ``register()`` faulted such
+pages in (kvxfer/memory/prefault.py), the first reads here paid the kernel's page faults for
+their destination blocks (the +162 ms of a process's first agent; ``KVXFER_PREFAULT=0`` shows it
+again; benchmarks/new_process_first_read.py counts them).
 Medians per variant; first - warm is the median of each round's pair.
 
 Run:  .venv/bin/python benchmarks/first_contact_variants.py [--mib 64] [--rounds 12]

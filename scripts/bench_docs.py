@@ -35,8 +35,9 @@ RATIOS = (("vs_memcpy", "/ memcpy"), ("vs_socket", "/ socket"), ("vs_peer-copy",
           ("vs_nixl-per-block", "/ nixl-per-block"), ("vs_mooncake-batch", "/ mooncake-batch"),
           ("vs_best_1desc", "/ best one read"))
 LINES = ("memcpy", "tcp-socket", "peer-copy")
-FIRST_CONTACT = ("kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
-FIRST_CASES = {"kvxfer-fresh-pair": "fresh producer and consumer, no `connect()`",
+FIRST_CONTACT = ("kvxfer-new-process", "kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
+FIRST_CASES = {"kvxfer-new-process": "new producer and consumer processes, no `connect()`",
+               "kvxfer-fresh-pair": "fresh producer and consumer, no `connect()`",
                "kvxfer-restart": "first read after the producer restarted",
                "kvxfer-relink": "first read after a link cut",
                "kvxfer-first-read": "new consumer, `connect()` first (the handshake not in the time)"}

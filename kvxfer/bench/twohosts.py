@@ -38,11 +38,11 @@ SETTINGS = (
      ("nixl-1desc", "nixl-per-block", "kvxfer-agent-direct", "kvxfer-agent-staged")),
     ("kvxfer", {},
      ("tcp-socket", "nixl-1desc", "nixl-per-block", "mooncake-batch", "mooncake-1desc", "kvxfer-agent-direct",
-      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink",
-      "kvxfer-first-read")),
+      "kvxfer-agent-staged", "kvxfer-agent", "kvxfer-new-process", "kvxfer-fresh-pair", "kvxfer-restart",
+      "kvxfer-relink", "kvxfer-first-read")),
 )
 #: The methods whose rows compare a first read with a warm one (``first_ms``, ``warm_ms``, ``gap_ms``).
-FIRST_CONTACT = ("kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
+FIRST_CONTACT = ("kvxfer-new-process", "kvxfer-fresh-pair", "kvxfer-restart", "kvxfer-relink", "kvxfer-first-read")
 #: Every method a two-hosts run knows (``--methods`` naming another is refused).
 METHODS = tuple(dict.fromkeys(m for _, _, methods in SETTINGS for m in methods))
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvxfer.bench import agentmethods, firstcontact, methods, mooncake, netmethods
+from kvxfer.bench import agentmethods, firstcontact, methods, mooncake, netmethods, newprocess
 from kvxfer.bench.caches import BenchCache, apply_expected, element_view, fill_random, make_cache
 from kvxfer.bench.links import Mailbox
 from kvxfer.layout.spec import KVSpec
@@ -179,6 +179,7 @@ class Worker:
                 options: dict) -> dict:
         """Time ``method`` ``iters`` times (after ``warmup``), verifying every timed transfer."""
         fn = {**methods.CONSUMER, **agentmethods.CONSUMER, **netmethods.CONSUMER, **firstcontact.CONSUMER,
+              **newprocess.CONSUMER,
               **mooncake.CONSUMER}[method]
         return fn(self, requests, tokens, iters, warmup, options)
 
@@ -187,13 +188,15 @@ class Worker:
                 options: dict) -> dict:
         """The producer's set-up for ``method`` that must be done before ``measure`` starts."""
         fn = {**methods.PREPARE, **agentmethods.PREPARE, **netmethods.PREPARE, **firstcontact.PREPARE,
+              **newprocess.PREPARE,
               **mooncake.PREPARE}.get(method)
         return {} if fn is None else fn(self, consumer, request, tokens, rounds, options)
 
     def serve(self, method: str, consumer: str, request: dict, tokens: int, rounds: int,
               options: dict) -> dict:
         """Play the producer's part of ``method`` for ``rounds`` iterations (GO-driven)."""
-        fn = {**methods.PRODUCER, **agentmethods.PRODUCER, **netmethods.PRODUCER, **firstcontact.PRODUCER}.get(method)
+        fn = {**methods.PRODUCER, **agentmethods.PRODUCER, **netmethods.PRODUCER, **firstcontact.PRODUCER,
+              **newprocess.PRODUCER}.get(method)
         if fn is None:
             return {"rounds": 0}
         return fn(self, consumer, request, tokens, rounds, options)

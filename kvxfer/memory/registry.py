@@ -24,6 +24,7 @@ import numpy as np
 from kvxfer.backend.base import Backend
 from kvxfer.errors import ClosedError, RegistrationError
 from kvxfer.layout.spec import CacheGeometry, KVSpec, Storage
+from kvxfer.memory.prefault import prefault
 from kvxfer.memory.tensors import TensorInfo, describe
 from kvxfer.types import MemKind, Region
 
@@ -211,6 +212,7 @@ class MemoryRegistry:
         if fresh:
             self._handles.append(self._backend.register(fresh))
             self._regions.extend(fresh)
+            prefault(fresh)  # fault untouched host pages in now, not in the first read into them
 
     # ---- queries / lifecycle -------------------------------------------------------
     def contains(self, addr: int, length: int, kind: MemKind | None = None,

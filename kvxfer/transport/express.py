@@ -23,6 +23,7 @@ reading for everybody).
 
 from __future__ import annotations
 
+import encodings.idna  # noqa: F401 - socket's first host-name lookup imports it (~1.8 ms): not inside a first read
 import fcntl
 import itertools
 import math
