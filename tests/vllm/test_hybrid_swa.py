@@ -18,23 +18,24 @@ import pytest
 from conftest import BLOCK_SIZE, pd_servers
 from pd_contract import EXTERNAL_HITS, MAX_TOKENS, reference
 from test_stock_nixl import STOCK, first_contact
-from kvxfer_transformers.testing import GEMMA3_WINDOW, make_tiny_gemma3
+from kvxfer_transformers.testing import GEMMA3_WINDOW
+from shared_servers import shared_model
 from vllm_harness import ProxyServer, prefill, prompt_of, route_pd, run_concurrently
 
 WINDOW = GEMMA3_WINDOW
-KVX = {"kv_connector": "KvxferConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-       "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"transfer_timeout": 60}}
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> Path:
-    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+    return shared_model("gemma3", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def servers(gemma3, vllm_logs):
-    with pd_servers("hybrid-swa", gemma3, vllm_logs, KVX, KVX) as (p, d):
-        yield p, d
+def servers(gemma3_pd):
+    """The session's Gemma 3 pair (shared_servers.KVX; its prefill instance, with ``enable_permute_local_kv`` on
+    and prefix caching off, is also tests/transformers/test_hybrid_hf.py's vLLM peer:
+    shared_servers.py). Only the decode instance reads KV here."""
+    return gemma3_pd.prefill, gemma3_pd.decode
 
 
 @pytest.fixture(scope="module")
