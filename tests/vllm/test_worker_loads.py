@@ -129,7 +129,8 @@ def test_a_silent_producer_delays_only_its_own_loads():
         ])
         started = time.monotonic()
         worker.apply(orders)
-        assert time.monotonic() - started < 0.05, "apply waited on a producer"
+        # waiting on the silent producer would take its 1.5 s timeout; the bound leaves room for a busy host
+        assert time.monotonic() - started < 0.5, "apply waited on a producer"
         done: set[str] = set()
         out, seen = _collect_until(worker, lambda o: done.update(o.recving) or {"a", "b"} <= done, 5)
         healthy = time.monotonic() - started
