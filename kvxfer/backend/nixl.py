@@ -10,8 +10,9 @@ Threads: the agent is created in NIXL's ``NIXL_THREAD_SYNC_RW`` mode, in which N
 serialises its control calls and lets transfers be created, posted and polled from several
 threads at once (UCX's workers then run in their multi-thread mode). kvxfer's side follows the
 same split (``backend.gate``): data calls (``post``, ``post_prepared``, ``state``, ``release``,
-``notify``, ``notifications``) run side by side, so one peer's slow post holds up no other
-peer's transfers; control calls (``register``, ``add_peer``, ``remove_peer``, ``prepare``,
+``notify``, ``notifications``, ``prepare``: NIXL takes only its shared lock to prepare a list)
+run side by side, so one peer's slow post holds up no other peer's transfers, and preparing
+one link's lists holds up no read; control calls (``register``, ``add_peer``, ``remove_peer``,
 ``unprepare``, ``close``...) run alone. Polling and releasing one transfer are serialised on that
 transfer only. A NIXL build without the RW mode gets one call at a time, as before.
 """
@@ -469,7 +470,9 @@ class NixlBackend:
         """
         arr = descriptor_table(table, "prepared")
         kind = as_enum(MemKind, kind, "kind")
-        with self._gate.control:
+        # A data call: NIXL prepares under its shared lock, so transfers go on meanwhile (a
+        # control call here would stop every read of the agent until the list is ready).
+        with self._gate.data:
             if peer is None:
                 self._check_open()
             else:
@@ -478,8 +481,9 @@ class NixlBackend:
             handle = self._nx.call(f"prep_xfer_dlist for {where!r} ({arr.shape[0]} rows)",
                                    self._agent.prep_xfer_dlist, where, arr, kind.value,
                                    error=BackendError, unregistered=True)
-            pid = next(self._ids)
-            self._preps[pid] = (peer, int(arr.shape[0]), handle)
+            with self._table:
+                pid = next(self._ids)
+                self._preps[pid] = (peer, int(arr.shape[0]), handle)
             return pid
 
     def unprepare(self, prep: int) -> None:
@@ -518,9 +522,12 @@ class NixlBackend:
             return self._start(handle, op, peer)
 
     def _prep(self, pid: int) -> tuple[str | None, int, Any]:
-        entry = self._preps.get(pid)
+        with self._table:  # another thread may be adding a list (``prepare`` is a data call)
+            entry, live = self._preps.get(pid), None
+            if entry is None:
+                live = sorted(self._preps)
         if entry is None:
-            raise ConfigError(f"unknown prepared list {pid!r}; live: {sorted(self._preps)}")
+            raise ConfigError(f"unknown prepared list {pid!r}; live: {live}")
         return entry
 
     def _start(self, handle: Any, op: str, peer: str) -> XferId:

@@ -148,6 +148,54 @@ def test_a_stalled_post_holds_up_no_other_transfer(link):
     assert np.array_equal(buf[:chunk], pattern(SIZE, SEED)[32 * chunk: 33 * chunk])
 
 
+def test_a_list_being_prepared_holds_up_no_transfer(link):
+    """Preparing a peer's descriptor list (NIXL's ``prep_xfer_dlist``, stuck inside NIXL here)
+    must not stop another thread's read: NIXL prepares under its shared lock. While ``prepare``
+    was a control call, every transfer of the agent waited for the list (an engine's ``read()``
+    blocked behind another link's first prepared read)."""
+    local, _, buf, remote_addr, _ = link
+    inside, let_go = threading.Event(), threading.Event()
+    real = local._agent.prep_xfer_dlist
+
+    def prep(*args, **kwargs):
+        inside.set()
+        let_go.wait(20)
+        return real(*args, **kwargs)
+
+    chunk, n = 1 << 20, 8
+    prepared, other = [], {}
+
+    def preparing():
+        prepared.append(local.prepare("remote", descs(remote_addr + np.arange(n, dtype=np.uint64) * chunk, chunk, 0),
+                                      DRAM))
+
+    def reading():
+        x = local.post(Direction.READ, descs(np.array([buf.ctypes.data + chunk]), chunk, 0), DRAM,
+                       descs(np.array([remote_addr + 41 * chunk]), chunk, 0), DRAM, "remote", b"beside")
+        other["state"] = wait(local, x, timeout=10)
+        local.release(x)
+
+    buf[chunk: 2 * chunk] = 0
+    local._agent.prep_xfer_dlist = prep
+    first, runner = threading.Thread(target=preparing), threading.Thread(target=reading)
+    try:
+        first.start()
+        assert inside.wait(10)
+        runner.start()
+        runner.join(8)
+        finished_alongside = not runner.is_alive()
+    finally:
+        let_go.set()
+        first.join(20)
+        if runner.ident is not None:
+            runner.join(20)
+        del local._agent.prep_xfer_dlist
+    assert finished_alongside, "a read waited for a list being prepared"
+    assert other["state"] is XferState.DONE
+    assert np.array_equal(buf[chunk: 2 * chunk], pattern(SIZE, SEED)[41 * chunk: 42 * chunk])
+    local.unprepare(prepared[0])
+
+
 def test_many_threads_post_poll_and_release_together(link):
     """Eight threads each post, poll (racing each other's polls of the same transfer) and
     release reads of distinct slices: every read lands exactly, no call fails."""

@@ -202,9 +202,10 @@ class PathKit:
         """Both caches' per-block lists prepared in the backend for small direct reads from
         ``link`` into ``view`` along ``plan`` (``kvxfer.engine.paths.prepared``), or None: not
         ready yet, or they do not apply (a GPU cache, a plan that is not whole blocks, a large
-        cache, a backend that cannot prepare). Never prepares on the calling thread: preparing
-        is a backend control call, which waits for every transfer call in flight, so the first
-        call for a link starts it on a thread of its own and reads post rows until it is done.
+        cache, a backend that cannot prepare). Never prepares on the calling thread (building and
+        preparing both caches' rows takes ~1 ms a side for 65,536 rows): the first call for a
+        link starts it on a thread of its own, and reads post rows until it is done. Preparing
+        is a backend data call, so reads go on meanwhile.
         Released when the link closes."""
         held = link.paths.get("prepared")
         if held is not None and held[0] is view:
