@@ -97,20 +97,39 @@ def test_notifications_both_ways(link):
     assert got == [("remote", b"pong")]
 
 
-def test_a_stalled_post_holds_up_no_other_transfer(link):
-    """One thread's post stuck inside NIXL (a slow peer) must not stop another thread from
-    posting, polling and releasing its own transfer: data calls run side by side. With one
-    agent-wide lock around every NIXL call (before), the second read waited for the first."""
-    local, _, buf, remote_addr, _ = link
+def _runs_beside_a_stuck_call(local: NixlBackend, nixl_call: str, stuck, beside) -> bool:
+    """Run ``stuck()`` on a thread, its first ``nixl_call`` into NIXL held inside NIXL, and then
+    ``beside()`` on another thread; True when ``beside`` finished while the first was held."""
     inside, let_go = threading.Event(), threading.Event()
-    real = local._agent.transfer
+    real = getattr(local._agent, nixl_call)
 
-    def transfer(*args, **kwargs):  # the first post to come through stalls
+    def held(*args, **kwargs):  # the first call to come through stays inside until let go
         if not inside.is_set():
             inside.set()
             let_go.wait(20)
         return real(*args, **kwargs)
 
+    setattr(local._agent, nixl_call, held)
+    first, runner = threading.Thread(target=stuck), threading.Thread(target=beside)
+    try:
+        first.start()
+        assert inside.wait(10)
+        runner.start()
+        runner.join(8)
+        return not runner.is_alive()
+    finally:
+        let_go.set()
+        first.join(20)
+        if runner.ident is not None:
+            runner.join(20)
+        delattr(local._agent, nixl_call)
+
+
+def test_a_stalled_post_holds_up_no_other_transfer(link):
+    """One thread's post stuck inside NIXL (a slow peer) must not stop another thread from
+    posting, polling and releasing its own transfer: data calls run side by side. With one
+    agent-wide lock around every NIXL call (before), the second read waited for the first."""
+    local, _, buf, remote_addr, _ = link
     chunk = 1 << 20
     stalled_ids, other = [], {}
 
@@ -125,22 +144,7 @@ def test_a_stalled_post_holds_up_no_other_transfer(link):
         local.release(x)
 
     buf[: 2 * chunk] = 0
-    local._agent.transfer = transfer
-    first = threading.Thread(target=stalled)
-    runner = threading.Thread(target=second)
-    try:
-        first.start()
-        assert inside.wait(10)
-        runner.start()
-        runner.join(8)
-        finished_alongside = not runner.is_alive()
-    finally:
-        let_go.set()
-        first.join(20)
-        if runner.ident is not None:
-            runner.join(20)
-        del local._agent.transfer
-    assert finished_alongside, "the second read waited for the stalled post"
+    assert _runs_beside_a_stuck_call(local, "transfer", stalled, second), "the second read waited for the stalled post"
     assert other["state"] is XferState.DONE
     assert np.array_equal(buf[chunk: 2 * chunk], pattern(SIZE, SEED)[37 * chunk: 38 * chunk])
     assert wait(local, stalled_ids[0]) is XferState.DONE
@@ -154,14 +158,6 @@ def test_a_list_being_prepared_holds_up_no_transfer(link):
     was a control call, every transfer of the agent waited for the list (an engine's ``read()``
     blocked behind another link's first prepared read)."""
     local, _, buf, remote_addr, _ = link
-    inside, let_go = threading.Event(), threading.Event()
-    real = local._agent.prep_xfer_dlist
-
-    def prep(*args, **kwargs):
-        inside.set()
-        let_go.wait(20)
-        return real(*args, **kwargs)
-
     chunk, n = 1 << 20, 8
     prepared, other = [], {}
 
@@ -176,21 +172,8 @@ def test_a_list_being_prepared_holds_up_no_transfer(link):
         local.release(x)
 
     buf[chunk: 2 * chunk] = 0
-    local._agent.prep_xfer_dlist = prep
-    first, runner = threading.Thread(target=preparing), threading.Thread(target=reading)
-    try:
-        first.start()
-        assert inside.wait(10)
-        runner.start()
-        runner.join(8)
-        finished_alongside = not runner.is_alive()
-    finally:
-        let_go.set()
-        first.join(20)
-        if runner.ident is not None:
-            runner.join(20)
-        del local._agent.prep_xfer_dlist
-    assert finished_alongside, "a read waited for a list being prepared"
+    assert _runs_beside_a_stuck_call(local, "prep_xfer_dlist", preparing, reading), \
+        "a read waited for a list being prepared"
     assert other["state"] is XferState.DONE
     assert np.array_equal(buf[chunk: 2 * chunk], pattern(SIZE, SEED)[41 * chunk: 42 * chunk])
     local.unprepare(prepared[0])
