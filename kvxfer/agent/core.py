@@ -37,6 +37,7 @@ from kvxfer.agent.reports import AgentStats, Finished, Reports
 from kvxfer.agent.service import ProducerService
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
+from kvxfer import starter
 from kvxfer.config import (AgentConfig, check_count, check_flag as flag, progress_delay_wanted,
                            progress_thread_wanted)
 from kvxfer.engine.handles import TransferHandle
@@ -153,6 +154,7 @@ class Agent:
         self._setup = threading.Lock()  # register and listen run once each, whichever thread calls
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvxfer-{name}", daemon=True)
         self._thread.start()
+        starter.ready()  # threads started later (lanes, prepared lists, pipelines) cost a read nothing
         if self.config.metrics_port is not None:
             try:
                 self._metrics = AgentMetrics(self.stats, self.config.metrics_port,

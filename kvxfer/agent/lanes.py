@@ -13,6 +13,8 @@ import logging
 import threading
 from typing import Callable, Hashable
 
+from kvxfer.starter import join_started, start_soon
+
 __all__ = ["PeerLanes"]
 
 log = logging.getLogger("kvxfer.agent")
@@ -67,7 +69,7 @@ class PeerLanes:
             if lane.thread is None:
                 lane.thread = threading.Thread(target=self._serve, args=(key, lane),
                                                name=f"{self._name}-{_label(key)}", daemon=True)
-                lane.thread.start()
+                start_soon(lane.thread)  # the caller (an engine's thread) does not wait for it to run
             else:
                 lane.cond.notify()
 
@@ -118,7 +120,7 @@ class PeerLanes:
                 lane.cond.notify_all()
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join(timeout)
+                join_started(thread, timeout)
 
 
 def _label(key: Hashable) -> str:

@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable
 
 from kvxfer.errors import KvxferError, TransferFailedError
+from kvxfer.starter import start_soon
 
 from kvxfer.engine.paths.pipes import PipeLink
 
@@ -63,7 +64,7 @@ class PipelineJob:
         self.cancelled = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
+        start_soon(self._thread)  # the caller (an engine's thread) does not wait for it to run
 
     def _main(self) -> None:
         try:

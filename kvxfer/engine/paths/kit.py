@@ -29,6 +29,7 @@ from kvxfer.engine.paths.prepared import PreparedBlocks, prepare_blocks
 from kvxfer.layout import CacheView
 from kvxfer.layout.pairs import DirectTemplate, pair_copy_why
 from kvxfer.protocol.messages import IpcWire, StagingWire
+from kvxfer.starter import start_soon
 from kvxfer.types import MemKind
 
 from kvxfer.engine.paths.pipes import PipeRouter
@@ -216,8 +217,8 @@ class PathKit:
                 link.paths["prepared"] = (view, None)
                 if not self.vram:
                     old = held[1] if held is not None else None
-                    threading.Thread(target=self._prepare, args=(link, view, plan, old), daemon=True,
-                                     name=f"kvxfer-prepare-{link.engine_id}").start()
+                    start_soon(threading.Thread(target=self._prepare, args=(link, view, plan, old), daemon=True,
+                                                name=f"kvxfer-prepare-{link.engine_id}"))
                 return None
         return held[1]
 
