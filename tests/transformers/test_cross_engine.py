@@ -8,8 +8,9 @@ One vLLM server (KvxferConnector, block size 32, float32, core 1) serves as the 
 
 * *no layout flags*: ``kvxfer-hf`` in its own layout (NHD split). As decoder it runs with no
   flags at all (block 16: kvxfer converts K order, HND -> NHD and block 32 -> 16); as producer
-  it takes ``--block-size 32`` only, because vLLM's consumer maps a producer's blocks one to
-  one onto its own (a vLLM adapter rule, not a layout one);
+  it runs with ``--block-size 32`` here (the session's ``hf32`` server). Since issue 37 a vLLM
+  decode also reads producers of other block sizes: that route is
+  ``test_cross_block_sizes.py``'s (kvxfer-hf blocks of 16 and 256 against vLLM's 128; ``slow``);
 * ``--kv-layout vllm-cpu --block-size 32``: vLLM's block format byte for byte, whole blocks moved.
 
 Prefix caching is off on the vLLM server: it computes the references, and a decoder that found
