@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -50,9 +51,11 @@ def _run(work: "queue.SimpleQueue[threading.Thread]") -> None:
         thread = work.get()
         try:
             thread.start()
-        except RuntimeError as exc:  # the interpreter is shutting down: nothing more starts
-            log.debug("kvxfer starter: %s not started: %s", thread.name, exc)
-            return
+        except RuntimeError as exc:  # no thread left to start, or the interpreter is ending
+            if sys.is_finalizing():
+                return
+            # what the thread was to do fails by its own deadline (a lane's reads, a pipeline's part)
+            log.error("kvxfer starter: thread %s not started: %s", thread.name, exc)
 
 
 def start_soon(thread: threading.Thread) -> None:
