@@ -27,6 +27,17 @@ def wait_for(condition, within: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def settled_free_blocks(server) -> float:
+    """``server``'s free blocks once it holds nothing for an earlier test's request.
+
+    A producer frees a request's blocks when its reaper hears the decoder is done, a little after
+    the decoder answered; a count taken before that would move under the test's own request."""
+    wait_for(lambda: server.metric("kvxfer_hf_held_requests") == 0
+             and server.metric("kvxfer_hf_quarantined_blocks") == 0,
+             within=30, what="earlier requests' blocks back in the pool")
+    return server.metric("kvxfer_hf_kv_blocks_free")
+
+
 @pytest.fixture(scope="module")
 def route(hf_servers, hf_logs):
     p, d = hf_servers["hf32"], hf_servers["hf16"]
@@ -108,7 +119,7 @@ class TestTransformersToTransformers(CrossContract):
 
     def test_blocks_return_to_the_pool_when_the_decoder_is_done(self, route):
         p = route.prefill
-        free = p.metric("kvxfer_hf_kv_blocks_free")
+        free = settled_free_blocks(p)
         params = prefill(p, prompt_of(3 * 32 + 2, seed=66)).kv_transfer_params
         assert p.metric("kvxfer_hf_held_requests") >= 1
         assert p.metric("kvxfer_hf_kv_blocks_free") <= free - 4  # 98 tokens in blocks of 32
@@ -121,7 +132,7 @@ class TestTransformersToTransformers(CrossContract):
         # hf16 prefills (lease 6 s) and nobody reads: it frees the blocks when the lease ends;
         # hf32 (policy recompute) then asks for them: refused, so it computes the prompt itself
         hf16, hf32 = route.decode, route.prefill
-        free = hf16.metric("kvxfer_hf_kv_blocks_free")
+        free = settled_free_blocks(hf16)
         prompt = prompt_of(50, seed=67)
         params = prefill(hf16, prompt).kv_transfer_params
         assert hf16.metric("kvxfer_hf_held_requests") == 1
