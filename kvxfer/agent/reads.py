@@ -210,13 +210,15 @@ class ReadFlow:
                 c.staging_bytes for chunks in r.route.requests for c in chunks)))]
         if not tokened:
             return routed
-        self.launch(tokened)  # the kernel first: what follows runs while it moves the bytes
+        verifier = agent.tokens.verifier
         for r in tokened:  # the look is in place before the grant, so no success can skip it
             r.tokened = True
-            r.req.verify = agent.tokens.verifier(view, r.request_id, r.token)
+            r.req.verify = verifier(view, r.request_id, r.token)
             r.req.stats.by_token = True  # issue 35 (s2): TransferStats says the read claimed nothing
-        for r in tokened:
-            agent.engine.grant(r.req)
+        self.launch(tokened, grant=True)  # the kernel, granted as it is attached (the token is the grant)
+        for r in tokened:  # a direct read (posted below, once granted), or one launched before
+            if not r.req.granted:
+                agent.engine.grant(r.req)
         direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]
         if direct:
             self._post_direct_many(direct)
@@ -269,8 +271,8 @@ class ReadFlow:
         plain = [r for r in reads if r.token is not None and not r.same_format and r.num_tokens is None]
         route = None
         if len(plain) >= 2 and len(links) == 1:
-            locals_ = np.concatenate([r.local for r in plain])
-            if np.unique(locals_).size != locals_.size:  # two reads into one block: each on its own
+            locals_ = np.sort(np.concatenate([r.local for r in plain]))
+            if (locals_[1:] == locals_[:-1]).any():  # two reads into one block: each on its own
                 plain = []
         if len(plain) >= 2 and len(links) == 1:
             try:
@@ -291,11 +293,12 @@ class ReadFlow:
             else:
                 self._route(r, links)
 
-    def launch(self, reads: list[PendingRead]) -> None:
-        """Launch the IPC reads of ``reads`` not launched yet (one kernel launch per rank)."""
+    def launch(self, reads: list[PendingRead], grant: bool = False) -> None:
+        """Launch the IPC reads of ``reads`` not launched yet (one kernel launch per rank);
+        ``grant``: they are granted as they are attached (reads by their hold token)."""
         try:
             self._launch_ipc([r for r in reads if r.live and r.route is not None
-                              and r.route.mode is TransferPath.IPC and not r.launched])
+                              and r.route.mode is TransferPath.IPC and not r.launched], grant=grant)
         except Exception as exc:  # noqa: BLE001
             log.exception("kvxfer: launching reads")
             self.crashed(reads, exc)
@@ -404,9 +407,10 @@ class ReadFlow:
             except KvxferError as exc:
                 self._fail(r, exc)
 
-    def _launch_ipc(self, reads: list[PendingRead]) -> None:
+    def _launch_ipc(self, reads: list[PendingRead], grant: bool = False) -> None:
         """One pair-copy launch per producer rank for every IPC read of the batch, one event
-        (``ReadPaths.launch_ipc``); each read attaches its members of it."""
+        (``ReadPaths.launch_ipc``); the step's reads attach their members of it in one pass
+        (``TransferEngine.attach_step``), granted there too with ``grant`` (reads by token)."""
         if not reads:
             return
         agent, engine = self._agent, self._agent.engine
@@ -421,12 +425,15 @@ class ReadFlow:
                 for r in live:
                     self._fail(r, exc)
                 return
-            group = [r.req for r in live]
+            send = agent.done.send
+            now = time.perf_counter()
             for r, read_parts in zip(live, parts):
                 for link, part in zip(links, read_parts):
-                    part.on_done = partial(agent.done.send, link, r.request_id)
+                    part.on_done = partial(send, link, r.request_id)
                 r.launched = r.route
-                self._attach(r, read_parts, started=True, group=group)
+                self._on_success(r)
+            engine.attach_step([r.req for r in live], parts, mode=TransferPath.IPC,
+                               setup_seconds=[now - r.started for r in live], grant=grant)
 
     def _post_direct_many(self, reads: list[PendingRead]) -> None:
         """Post granted direct reads: each producer rank's share of all of them in one backend
@@ -486,10 +493,13 @@ class ReadFlow:
                     except KvxferError as exc:
                         self._fail_all(group, exc)
                         continue
+                    send, now = agent.done.send, time.perf_counter()
                     for r, read_parts in zip(group, parts):
                         for link, part in zip(r.route.links, read_parts):
-                            part.on_done = partial(agent.done.send, link, r.request_id)  # once known good
-                        self._attach(r, read_parts, started=True)
+                            part.on_done = partial(send, link, r.request_id)  # once known good
+                        self._on_success(r)
+                    agent.engine.attach_step([r.req for r in group], parts, mode=TransferPath.DIRECT,
+                                             setup_seconds=[now - r.started for r in group])
                     continue
             for r in group:  # not whole any more: each on its own route
                 r.step_route = None
@@ -506,15 +516,19 @@ class ReadFlow:
                 agent.claims.give_back(r.request_id)  # not posted (failed meanwhile): no read comes
 
     def _attach(self, r: PendingRead, parts: list, started: bool, group: list | None = None) -> bool:
+        self._on_success(r)
+        mode = None if r.route.mode is TransferPath.DIRECT else r.route.mode
+        return self._agent.engine.attach(r.req, parts, mode=mode, setup_seconds=time.perf_counter() - r.started,
+                                          started=started, group=group)
+
+    def _on_success(self, r: PendingRead) -> None:
+        """The done notices ``r`` sends on success beside its parts' own: to every rank of a
+        chunked read, and to the ranks it claimed from without reading from them."""
         agent = self._agent
-        route = r.route
-        done_links = list(route.links) if route.chunked else []
-        done_links += [lk for lk in self._notify_only(r)]
+        done_links = list(r.route.links) if r.route.chunked else []
+        done_links += self._notify_only(r)
         if done_links:
             r.req.on_success = lambda: [agent.done.send(link, r.request_id) for link in done_links]
-        mode = None if route.mode is TransferPath.DIRECT else route.mode
-        return agent.engine.attach(r.req, parts, mode=mode, setup_seconds=time.perf_counter() - r.started,
-                                    started=started, group=group)
 
     def _notify_only(self, r: PendingRead) -> list:
         return [link for link, _ in (r.sent or ()) if link not in r.route.links]

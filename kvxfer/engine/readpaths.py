@@ -99,11 +99,11 @@ class ReadPaths:
         launches, event = self.kit.launch_and_record(copies)
         total = sum(c.nbytes for c in copies)
         shared = SharedJob(IpcJob(launches, event, total, len(copies)), members=len(reads) * len(links))
-        tokens = np.array([r.local.size for r in reads], dtype=np.float64)
-        return [[Part(link.agent_name, None, link.view.geometry.kind, r.note,
-                      job=shared.member(int(round(c.nbytes * share)), 1))
-                 for link, c in zip(links, copies)]
-                for r, share in zip(reads, tokens / tokens.sum())]
+        shares = _shares(reads)
+        per_link = [(link.agent_name, link.view.geometry.kind, np.rint(c.nbytes * shares).astype(np.int64).tolist())
+                    for link, c in zip(links, copies)]
+        return [[Part(name, None, kind, r.note, job=shared.member(nbytes[i], 1)) for name, kind, nbytes in per_link]
+                for i, r in enumerate(reads)]
 
     def direct_step(self, reads: list[StepRead]) -> tuple[list[list[Part]], dict[int, KvxferError]]:
         """Start granted direct reads: each producer rank's share of all of them in one backend
@@ -149,12 +149,10 @@ class ReadPaths:
         job = DirectJob(self._backend, Direction.READ, part.plan, self._view.geometry.kind, part.peer,
                         part.remote_kind, b"", f"a step of {len(reads)} reads")
         shared = SharedJob(job, members=len(reads))
-        rows, nbytes = int(part.plan.local.shape[0]), int(part.plan.num_bytes)
-        blocks = np.array([r.local.size for r in reads], dtype=np.float64)
-        shares = blocks / blocks.sum()
-        return [[Part(part.peer, None, part.remote_kind, b"",
-                      job=shared.member(int(round(nbytes * share)), int(round(rows * share))))]
-                for share in shares]
+        shares = _shares(reads)
+        nbytes = np.rint(int(part.plan.num_bytes) * shares).astype(np.int64).tolist()
+        rows = np.rint(int(part.plan.local.shape[0]) * shares).astype(np.int64).tolist()
+        return [[Part(part.peer, None, part.remote_kind, b"", job=shared.member(b, n))] for b, n in zip(nbytes, rows)]
 
     def start(self, route: ReadRoute, timeout: float | None, ask_timeout: float) -> list[Part]:
         """A read's own parts (a lone direct read, chunked or through the host staging buffer; a
@@ -182,6 +180,12 @@ class ReadPaths:
     def close(self) -> None:
         self.packer.close()
         self.kit.close()
+
+
+def _shares(reads: list[StepRead]) -> np.ndarray:
+    """Each read's share of a step's one job, by its blocks (for its stats' bytes and rows)."""
+    blocks = np.array([r.local.size for r in reads], dtype=np.float64)
+    return blocks / blocks.sum()
 
 
 class _Notice:

@@ -404,6 +404,40 @@ class TransferEngine:
             req.handle._nudge()  # a waiter may poll it now (not before its grant: nothing to poll)
         return True
 
+    def attach_step(self, reqs: list["_Request"], parts: list[list[Part]], *, mode: TransferPath,
+                    setup_seconds: list[float], grant: bool = False) -> None:
+        """``attach`` for a step's requests whose parts all run already and share one job (one
+        kernel launch, one backend post): ``reqs[i]`` gets ``parts[i]`` and the step as its group
+        (polling one that completes completes the others that may, ``_poke``). With ``grant``,
+        each is also granted (a read by its hold token: its ``verify`` is set before). One pass
+        over the step, the same phases as ``attach`` then ``grant`` request by request; a request
+        that ended meanwhile keeps its parts as ``attach`` keeps them."""
+        group = list(reqs)
+        now = time.perf_counter()
+        for req, req_parts, setup in zip(reqs, parts, setup_seconds):
+            if not req_parts or any(p.job is None for p in req_parts):
+                raise ValueError("attach_step takes running parts only (use attach)")
+            with req.lock:
+                if req.phase is Phase.QUARANTINED or req.finished:
+                    pass  # ended under its poster: ``_attach_running`` keeps or stops its parts, below
+                else:
+                    req.parts, req.group, req.started = req_parts, group, now
+                    req.mode = req.stats.mode = mode
+                    stats = req.stats
+                    stats.num_bytes = sum(int(p.job.num_bytes) for p in req_parts)
+                    stats.descriptors = sum(int(p.job.descriptors) for p in req_parts)
+                    stats.peers = len({p.peer for p in req_parts})
+                    stats.setup_seconds = setup
+                    req.self_moving = all(getattr(p.job, "moves_itself", False) for p in req_parts)
+                    with self._lock:
+                        req.move(Event.ATTACH)
+                        if grant and lifecycle.live(req.phase):
+                            req.move(Event.GRANT)
+                    if req.granted:
+                        req.handle._nudge()
+                    continue
+            self._attach_running(req, req_parts, mode, setup, group)
+
     def grant(self, req: "_Request", claim_seconds: float = 0.0) -> None:
         """The request's producers granted its claim: it may succeed once its parts are done."""
         with req.lock:
@@ -603,10 +637,29 @@ class TransferEngine:
         with self._scope():
             self._poll_once(req)
             if req.finished and req.group:
-                for other in req.group:
-                    if not other.finished and other.posted and other.granted and other.error is None:
-                        self._poll_once(other)
+                self._poll_group(req.group)
         return True
+
+    def _poll_group(self, group: list[_Request]) -> None:
+        """One request of a step's shared job completed: poll the step's others that may complete
+        (granted, posted, live, nobody posting, not polled by another thread right now) and
+        complete those whose bytes are in, together (``_succeed_many``)."""
+        landed = []
+        for other in group:
+            if other.phase is not Phase.CLEARED or other.posters or not other.lock.acquire(blocking=False):
+                continue
+            try:
+                if other.phase is Phase.CLEARED and not other.posters and not self._closed:
+                    if self._poll(other):
+                        landed.append(other)
+            except KvxferError as exc:
+                self._fail(other, exc)
+            except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
+                pass
+            finally:
+                other.lock.release()
+        if landed:
+            self._succeed_many(landed)
 
     def _expire(self, req: _Request) -> Callable[[], None] | None:
         """``req`` (its lock held, nobody posting) is past its deadline and the grace: fail it if
@@ -718,23 +771,50 @@ class TransferEngine:
         completes here: notices, ``on_success``, then the handle's callbacks. A read by hold token
         is first checked (``verify``: the look at the producer's hold word, after every part's
         DONE); a mismatch fails it instead."""
-        if req.verify is not None and lifecycle.live(req.phase):
-            error = req.verify()  # after every part's DONE: the look that proves the hold covered the move
-            if error is LOOKING:
-                if req.deadline is None or self._clock.now() < req.deadline:
-                    return  # its look is out: the request's next poll asks again
-                error = TransferTimeoutError(
-                    f"request {req.handle.request_id!r}: its bytes moved, but the look at the producer's hold "
-                    "word had not come back when its deadline passed (the hold is not proven)")
-            if error is not None:
-                self._fail(req, error)
-                self._wake()
-                return
+        if not self._proven(req):
+            return
         with self._lock:
             if not lifecycle.live(req.phase):
                 return
             req.move(event)
             self._requests.pop(req.handle.request_id, None)
+        self._complete(req)
+
+    def _succeed_many(self, reqs: list[_Request]) -> None:
+        """``_succeed`` (by LANDED: each granted, every part done) for a step's requests at once:
+        each is checked as ``_succeed`` checks it, then all move to DONE under one hold of the
+        engine's lock, then each handle completes."""
+        proven = [req for req in reqs if self._proven(req)]
+        done = []
+        with self._lock:
+            for req in proven:
+                if lifecycle.live(req.phase):
+                    req.move(Event.LANDED)
+                    self._requests.pop(req.handle.request_id, None)
+                    done.append(req)
+        for req in done:
+            self._complete(req)
+
+    def _proven(self, req: _Request) -> bool:
+        """Whether ``req`` may succeed now: True unless it reads by hold token and its look at the
+        producer's word failed it (a mismatch, or no answer by its deadline) or is still out."""
+        if req.verify is None or not lifecycle.live(req.phase):
+            return True
+        error = req.verify()  # after every part's DONE: the look that proves the hold covered the move
+        if error is LOOKING:
+            if req.deadline is None or self._clock.now() < req.deadline:
+                return False  # its look is out: the request's next poll asks again
+            error = TransferTimeoutError(
+                f"request {req.handle.request_id!r}: its bytes moved, but the look at the producer's hold "
+                "word had not come back when its deadline passed (the hold is not proven)")
+        if error is None:
+            return True
+        self._fail(req, error)
+        self._wake()
+        return False
+
+    def _complete(self, req: _Request) -> None:
+        """Complete the handle of ``req``, which has just left the table as DONE."""
         req.stats.seconds = time.perf_counter() - req.started
         # The request has left the table: nothing below may stop its handle from completing. A
         # notice that cannot be sent (the producer died after the bytes arrived) is logged; the

@@ -130,3 +130,63 @@ def test_the_progress_thread_leaves_a_watched_step_to_its_waiter_and_takes_it_ba
     time.sleep(0.001)
     engine.progress()
     assert all(r.finished for r in reqs)
+
+
+def _reserved(n, verify=None):
+    world = FakeWorld()
+    me, peer = FakeBackend("me", world), FakeBackend("peer", world)
+    me.add_peer(peer.metadata())
+    engine = TransferEngine(me, MemKind.VRAM, clock=ManualClock())
+    job = KernelJob()
+    shared = SharedJob(job, members=n)
+    reqs = engine.reserve_many([(f"r{i}", None, [i]) for i in range(n)], Direction.READ, granted=False)
+    parts = [[Part("peer", None, MemKind.VRAM, b"", job=shared.member(16 * (i + 1), i + 1))] for i in range(n)]
+    return engine, job, reqs, parts
+
+
+def test_a_step_attached_and_granted_in_one_pass_completes_in_one_poll_each_with_its_own_stats():
+    from kvxfer.errors import LeaseExpiredError
+
+    engine, job, reqs, parts = _reserved(3)
+    reqs[1].verify = lambda: LeaseExpiredError("r1: the producer's hold word changed")  # a token read whose hold ended
+    reqs[2].verify = lambda: None                                                      # one whose hold stood
+    with engine.posting(reqs):
+        engine.attach_step(reqs, parts, mode="ipc", setup_seconds=[0.1, 0.2, 0.3], grant=True)
+    assert [r.granted for r in reqs] == [True, True, True]
+    assert not reqs[0].handle.done()                  # the kernel still runs: nothing completes
+    job.finished.set()
+    time.sleep(0.001)
+    assert reqs[0].handle.done() and reqs[2].finished  # one poll completes the step's others
+    stats = [reqs[0].handle.wait(0), reqs[2].handle.wait(0)]
+    assert [(s.num_bytes, s.descriptors, s.mode, s.setup_seconds) for s in stats] == [
+        (16, 1, "ipc", 0.1), (48, 3, "ipc", 0.3)]
+    assert reqs[1].error is not None and not reqs[1].finished  # its look failed: it drains, typed
+    engine.progress()
+    assert isinstance(reqs[1].handle.exception(), LeaseExpiredError)
+    assert engine.in_flight() == 0
+
+
+def test_a_step_read_that_failed_before_its_attach_keeps_its_part_until_the_shared_job_ended():
+    from kvxfer.errors import TransferFailedError
+
+    engine, job, reqs, parts = _reserved(2)
+    with engine.posting(reqs):
+        engine.cancel("r0", TransferFailedError("aborted by the engine"))  # while the launch is under way
+        engine.attach_step(reqs, parts, mode="ipc", setup_seconds=[0.0, 0.0], grant=True)
+    assert reqs[0].parts == parts[0] and reqs[1].granted and not reqs[0].granted
+    engine.progress()
+    assert not reqs[0].finished                        # the kernel may still write its blocks
+    job.finished.set()
+    time.sleep(0.001)
+    engine.progress()
+    assert isinstance(reqs[0].handle.exception(), TransferFailedError)
+    assert reqs[1].handle.wait(0).num_bytes == 32
+    assert engine.in_flight() == 0 and engine.quarantined() == {}
+
+
+def test_attach_step_takes_running_parts_only():
+    import pytest
+
+    engine, _, reqs, _ = _reserved(1)
+    with pytest.raises(ValueError, match="running parts only"):
+        engine.attach_step(reqs, [[Part("peer", object(), MemKind.VRAM, b"")]], mode="ipc", setup_seconds=[0.0])
