@@ -415,7 +415,7 @@ class ReadFlow:
             return
         agent, engine = self._agent, self._agent.engine
         with engine.posting([r.req for r in reads]) as live_reqs:
-            live = [r for r in reads if r.req in live_reqs]
+            live = _still_live(reads, live_reqs)
             if not live:
                 return
             links = live[0].route.links
@@ -447,7 +447,7 @@ class ReadFlow:
             self._post_direct(r)
         reads = [r for r in reads if r not in alone]
         with agent.engine.posting([r.req for r in reads]) as live_reqs:
-            live = [r for r in reads if r.req in live_reqs]
+            live = _still_live(reads, live_reqs)
             parts, failed = agent.paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
                                                      for r in live])
             for i, (r, read_parts) in enumerate(zip(live, parts)):
@@ -667,6 +667,14 @@ class ReadStep:
             return not self._open
         finally:
             self._lock.release()
+
+
+def _still_live(reads: list[PendingRead], live_reqs: list) -> list[PendingRead]:
+    """The reads of ``reads`` whose request ``TransferEngine.posting`` found live (by identity)."""
+    if len(live_reqs) == len(reads):
+        return list(reads)  # posting keeps the order and drops only ended ones
+    kept = {id(req) for req in live_reqs}
+    return [r for r in reads if id(r.req) in kept]
 
 
 def _check_same_format(spec, links: list) -> None:
