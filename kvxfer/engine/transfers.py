@@ -315,8 +315,8 @@ class TransferEngine:
                         f"request {request_id!r} is already {state} on this agent: a second transfer of it is "
                         "refused (wait for the first handle, or abort it)")
                 seen.add(request_id)
-                if self._quarantine:
-                    self._check_not_quarantined(req.blocks)
+            if self._quarantine:
+                self._check_not_quarantined_many([req.blocks for req in reqs])
             for req in reqs:
                 self._requests[req.handle.request_id] = req
         for req in reqs:
@@ -487,6 +487,15 @@ class TransferEngine:
     def fail(self, req: "_Request", error: KvxferError) -> bool:
         """Fail a reserved or posted request (e.g. its claim was refused); it drains as any failure."""
         return self._fail(req, error)
+
+    def _check_not_quarantined_many(self, lists: list[np.ndarray]) -> None:
+        """``_check_not_quarantined`` for a step's lists: one look over all their ids; where one
+        touches a quarantined block, the lists are looked at one by one to name it."""
+        held = [other.blocks for other in self._quarantine.values()]
+        flat = np.concatenate(lists) if len(lists) > 1 else lists[0]
+        if held and flat.size and np.isin(flat, np.concatenate(held)).any():
+            for ids in lists:
+                self._check_not_quarantined(ids)
 
     def _check_not_quarantined(self, ids: np.ndarray) -> None:
         for other in self._quarantine.values():

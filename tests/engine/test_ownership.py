@@ -70,9 +70,19 @@ def test_unconfirmed_end_quarantines_the_blocks_until_the_backend_confirms():
     assert engine.quarantined() == {"r": [3, 5]} and engine.counts().quarantined_blocks == 2
     with pytest.raises(BlockIdError, match="quarantined"):
         engine.submit("s", Direction.READ, [_part(name, plan)], timeout=1, blocks=[5])
+    # a step whose one read touches a quarantined block is refused whole, naming the block and its request
+    with pytest.raises(BlockIdError, match=r"local block 3 is quarantined: request 'r'"):
+        engine.reserve_many([("s0", None, [7, 8]), ("s1", None, [9, 3]), ("s2", None, [10])], Direction.READ)
+    assert not any(engine.has(rid) for rid in ("s0", "s1", "s2"))
+    assert [r.handle.request_id for r in engine.reserve_many([("s0", None, [7, 8]), ("s1", None, [9])],
+                                                                Direction.READ)] == ["s0", "s1"]
     me.hold_transfers(False)
     engine.progress()
-    assert reclaimed == ["r"] and engine.quarantined() == {} and engine.counts().in_flight == 0
+    assert reclaimed == ["r"] and engine.quarantined() == {}
+    for rid in ("s0", "s1"):
+        engine.cancel(rid, TransferFailedError("not needed"))
+    engine.progress()
+    assert engine.counts().in_flight == 0
 
 
 def test_completion_after_the_window_is_a_failure_not_a_success():
