@@ -28,6 +28,9 @@ def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> n
         BlockIdError: not 1-D integers, an id out of range (names the id and the bound) or a
             repeated id (two token ranges would share one block).
     """
+    fast = _small_ids(ids, bound)
+    if fast is not None:
+        return fast
     a = np.asarray(ids)
     if a.ndim != 1:
         raise BlockIdError(f"{side} block ids must be a 1-D sequence; got shape {a.shape}")
@@ -45,6 +48,27 @@ def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> n
         if dup.any():
             raise BlockIdError(f"{side} block ids must be distinct; got {int(s[1:][dup][0])} twice")
     return a.astype(np.int64, copy=False)
+
+
+#: Lists up to this long are checked as Python ints (a read of a few blocks: several numpy
+#: calls cost more than the ids); longer ones, and any list that fails, take the numpy checks.
+_SMALL = 64
+
+
+def _small_ids(ids, bound: int) -> np.ndarray | None:
+    """``check_block_ids``' result for a short valid list of ids (an int64 array), else None:
+    the caller then checks it the general way, which also names what is wrong."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or not 0 < ids.size <= _SMALL:
+            return None
+        values = ids.tolist()
+    elif type(ids) in (list, tuple) and 0 < len(ids) <= _SMALL and all(type(i) is int for i in ids):
+        values = ids
+    else:
+        return None
+    if min(values) < 0 or max(values) >= bound or len(set(values)) != len(values):
+        return None
+    return ids.astype(np.int64, copy=False) if isinstance(ids, np.ndarray) else np.array(values, dtype=np.int64)
 
 
 def check_coverage(local_blocks: int, local_size: int, remote_blocks: int, remote_size: int,

@@ -55,3 +55,38 @@ def test_an_id_may_repeat_across_requests_but_not_within_one():
 def test_mixed_or_malformed_lists_raise_as_one_by_one(bad, message):
     with pytest.raises(BlockIdError, match=message):
         check_block_id_lists("local", bad, BOUND)
+
+
+def _numpy_path(x):
+    """``check_block_ids`` the general way (numpy), bypassing the short-list path."""
+    import kvxfer.layout.request as request
+
+    saved, request._SMALL = request._SMALL, 0
+    try:
+        return check_block_ids("local", x, BOUND), None
+    except BlockIdError as exc:
+        return None, str(exc)
+    finally:
+        request._SMALL = saved
+
+
+short_input = st.sampled_from([list, tuple, lambda x: np.asarray(x, dtype=np.int64),
+                               lambda x: np.asarray(x, dtype=np.uint16), lambda x: np.asarray(x, dtype=np.int8)])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(min_value=-3, max_value=BOUND + 3), st.booleans()), max_size=12), short_input)
+def test_short_lists_checked_as_python_ints_give_the_numpy_checks_result(raw, make):
+    try:
+        x = make(raw)
+    except (OverflowError, ValueError):  # -3 as uint16: not an input anyone can pass
+        return
+    want, error = _numpy_path(x)
+    if error is not None:
+        with pytest.raises(BlockIdError) as got:
+            check_block_ids("local", x, BOUND)
+        assert str(got.value) == error
+        return
+    got = check_block_ids("local", x, BOUND)
+    assert got.dtype == np.int64 and got.ndim == 1
+    np.testing.assert_array_equal(got, want)
