@@ -1,0 +1,124 @@
+"""What a step of token reads costs the caller's interpreter: CPU time inside ``read_many`` and
+inside the waits, per step, on the CPU host (issue 34, rule 4: a step as arrays).
+
+Two processes (producer spawned), the busy-engine bench's small cache (16 KiB a block), so that
+the bytes cost next to nothing and what is measured is kvxfer's Python around them (and NIXL's
+post, which raw NIXL pays too). The producer holds every request with a hold token; each step
+is one ``read_many`` of ``--batch`` token reads of ``--blocks`` blocks, then a wait on every
+handle. Prints medians over the timed steps; ``--prof`` adds a cProfile of the whole step (or of
+the waits only with ``--prof-wait``): its call count per step is a steady measure of the
+per-request Python where the host's timing is noisy.
+
+Run:  .venv/bin/python benchmarks/step_cpu_cost.py [--batch 32] [--blocks 4] [--n 200] [--prof | --prof-wait]
+"""
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+
+from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
+
+SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", model="busy-bench")
+WARM = 20
+
+
+def producer(spec, port, holds, ready, stop, tokens) -> None:
+    cache = [np.full(s, 7, dtype=np.uint16) for s in spec.tensor_shapes()]
+    with Agent("producer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=port)) as ag:
+        ag.register(cache)
+        ag.listen()
+        wires = {}
+        for rid, ids in holds:
+            ag.hold(rid, ids)
+            wires[rid] = ag.hold_token(rid).wire()
+        tokens.put(wires)
+        ready.set()
+        stop.wait(600)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32, help="token reads per step (one read_many)")
+    ap.add_argument("--blocks", type=int, default=4, help="blocks per read")
+    ap.add_argument("--n", type=int, default=200, help="timed steps")
+    ap.add_argument("--port", type=int, default=6150)
+    ap.add_argument("--prof", action="store_true", help="cProfile the timed steps")
+    ap.add_argument("--prof-wait", action="store_true", help="cProfile the waits only")
+    ap.add_argument("--sort", default="tottime", help="the profile's order (tottime, cumulative, ncalls)")
+    args = ap.parse_args()
+    spec = KVSpec(**SMALL, num_blocks=4096)
+    per, rng = args.blocks, np.random.default_rng(0)
+    steps = [[f"s{i}-{j}" for j in range(args.batch)] for i in range(args.n + WARM)]
+    holds, reads = [], []
+    for step in steps:
+        src = rng.permutation(spec.num_blocks)[:per * args.batch]
+        dst = rng.permutation(spec.num_blocks)[:per * args.batch]
+        for j, rid in enumerate(step):
+            holds.append((rid, src[j * per:(j + 1) * per]))
+            reads.append((dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per]))
+    ctx = mp.get_context("spawn")
+    ready, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=producer, args=(spec, args.port, holds, ready, stop, queue), daemon=True)
+    proc.start()
+    wires = queue.get(timeout=300)
+    if not ready.wait(300):
+        raise SystemExit("producer did not start")
+    profile = None
+    if args.prof or args.prof_wait:
+        import cProfile
+
+        profile = cProfile.Profile()
+    cache = [np.zeros(s, dtype=np.uint16) for s in spec.tensor_shapes()]
+    remote = ("127.0.0.1", args.port)
+    in_call, in_waits, walls = [], [], []
+    with Agent("consumer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1",
+                                                      side_channel_port=args.port + 1)) as ag:
+        ag.register(cache)
+        ag.connect(*remote)
+        k = 0
+        for i, step in enumerate(steps):
+            requests = []
+            for rid in step:
+                dst, src = reads[k]
+                k += 1
+                requests.append(ReadRequest(remote, dst, src, rid, timeout=30, token=HoldToken.from_wire(wires[rid])))
+            timed = i >= WARM
+            if profile is not None and timed and not args.prof_wait:
+                profile.enable()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            handles = ag.read_many(requests)
+            c1 = time.thread_time()
+            if profile is not None and timed and args.prof_wait:
+                profile.enable()
+            for h in handles:
+                h.wait(30)
+            c2, t2 = time.thread_time(), time.perf_counter()
+            if profile is not None:
+                profile.disable()
+            if timed:
+                in_call.append(c1 - c0)
+                in_waits.append(c2 - c1)
+                walls.append(t2 - t0)
+            landed = np.concatenate([reads[j][0] for j in range(k - len(step), k)])
+            if not all((c[:, landed] == 7).all() for c in cache):  # (K/V, blocks, ...): every block read is the producer's
+                raise SystemExit(f"step {i}: a read's bytes differ from the producer's")
+            for c in cache:
+                c[:, landed] = 0  # the next step that lands there must write it again
+    stop.set()
+    proc.join(10)
+    med = statistics.median
+    print(f"{args.batch} token reads x {per} blocks a step: read_many {med(in_call) * 1e6:.0f} us of the caller's CPU, "
+          f"the waits {med(in_waits) * 1e6:.0f} us, call to last wait {med(walls) * 1e6:.0f} us (medians of {args.n})")
+    if profile is not None:
+        import pstats
+
+        stats = pstats.Stats(profile)
+        print(f"{stats.total_calls / args.n:.0f} Python calls a step (profiled)")
+        stats.sort_stats(args.sort).print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
