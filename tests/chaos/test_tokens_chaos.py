@@ -366,3 +366,53 @@ def test_a_fresh_consumers_first_token_read_claims_nothing(producer, claims):
     finally:
         agent.close()
     producer.ask(("reset",))
+
+
+# ---- a step of token reads: one post, completed together ----------------------------------------
+STEP_READS, STEP_SIZE = 4, 30
+
+
+def _step_ids(trial: int, salt: int) -> tuple[list[list[int]], list[list[int]]]:
+    src, dst = split_ids(BIG["num_blocks"], STEP_READS * STEP_SIZE, trial, salt)
+    cut = lambda ids: [ids[i * STEP_SIZE:(i + 1) * STEP_SIZE] for i in range(STEP_READS)]  # noqa: E731
+    return cut(src), cut(dst)
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_step_of_token_reads_with_one_hold_ended_fails_only_that_read(when, producer, cons, claims):
+    """A step's token reads to one producer rank go in one NIXL post and complete together (each
+    read's look at its own word). The producer ends one read's hold before or while they move and
+    overwrites its blocks: that read is typed (or exact, where the release came after the move),
+    never reused bytes; the step's other reads are exact, by token; nothing is claimed."""
+    agent, cache = cons
+    agent.connect(*producer.address)
+    ended_outcomes = []
+    for trial in range(TRIALS):
+        srcs, dsts = _step_ids(trial, 20 if when == "before" else 21)
+        rids = [f"tok-step-{when}-{trial}-{i}" for i in range(STEP_READS)]
+        held = [_hold(producer, rid, src) for rid, src in zip(rids, srcs)]
+        for dst in dsts:
+            fill(cache, dst)
+        victim = trial % STEP_READS
+        if when == "before":
+            producer.ask(("release", rids[victim]))
+            assert _reused(producer, rids[victim])
+        else:
+            producer.cmd.put(("release", rids[victim]))  # lands while the step's post moves the bytes
+        handles = agent.read_many([ReadRequest(producer.address, dst, src, rid, 20.0, token=token)
+                                   for dst, src, rid, (_, token) in zip(dsts, srcs, rids, held)])
+        if when == "during":
+            producer.out.get(timeout=60)
+        for i, (handle, dst, (want, _)) in enumerate(zip(handles, dsts, held)):
+            got = _outcome(handle, cache, dst, want)
+            if i == victim:
+                ended_outcomes.append(got)
+            else:
+                assert got == "exact", f"trial {trial}: read {i}, whose hold stood, ended {got}"
+        _settled(agent)
+        producer.ask(("reset",))
+    if when == "before":
+        assert ended_outcomes == ["LeaseExpiredError"] * TRIALS, ended_outcomes
+    else:
+        assert set(ended_outcomes) <= {"exact", "LeaseExpiredError"}, ended_outcomes
+    assert claims["n"] == 0
