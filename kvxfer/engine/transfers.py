@@ -423,11 +423,8 @@ class TransferEngine:
                 else:
                     req.parts, req.group, req.started = req_parts, group, now
                     req.mode = req.stats.mode = mode
-                    stats = req.stats
-                    stats.num_bytes = sum(int(p.job.num_bytes) for p in req_parts)
-                    stats.descriptors = sum(int(p.job.descriptors) for p in req_parts)
-                    stats.peers = len({p.peer for p in req_parts})
-                    stats.setup_seconds = setup
+                    req.count_parts()
+                    req.stats.setup_seconds = setup
                     req.self_moving = all(getattr(p.job, "moves_itself", False) for p in req_parts)
                     with self._lock:
                         req.move(Event.ATTACH)
