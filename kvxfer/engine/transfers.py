@@ -650,20 +650,7 @@ class TransferEngine:
         """One request of a step's shared job completed: poll the step's others that may complete
         (granted, posted, live, nobody posting, not polled by another thread right now) and
         complete those whose bytes are in, together (``_succeed_many``)."""
-        landed = []
-        for other in group:
-            if other.phase is not Phase.CLEARED or other.posters or not other.lock.acquire(blocking=False):
-                continue
-            try:
-                if other.phase is Phase.CLEARED and not other.posters and not self._closed:
-                    if self._poll(other):
-                        landed.append(other)
-            except KvxferError as exc:
-                self._fail(other, exc)
-            except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
-                pass
-            finally:
-                other.lock.release()
+        landed = [other for other in group if other.phase is Phase.CLEARED and self._poll_free(other)]
         if landed:
             self._succeed_many(landed)
 
@@ -687,22 +674,26 @@ class TransferEngine:
         return self._drain(req, force=True)
 
     def _poll_once(self, req: _Request) -> None:
+        if self._poll_free(req):
+            self._succeed(req, Event.LANDED)
+
+    def _poll_free(self, req: _Request) -> bool:
+        """Poll ``req`` once unless another thread holds it, it ended or failed, or a poster is
+        inside; True when it landed granted (the caller succeeds it with no lock held)."""
         if not req.lock.acquire(blocking=False):
-            return
-        succeed = False
+            return False
         try:
             if req.finished or req.error is not None or self._closed or req.posters:
-                return
+                return False
             try:
-                succeed = self._poll(req)
+                return self._poll(req)
             except KvxferError as exc:
                 self._fail(req, exc)
             except Exception:  # noqa: BLE001 - the progress thread meets it again and logs it
                 pass
+            return False
         finally:
             req.lock.release()
-        if succeed:
-            self._succeed(req, Event.LANDED)
 
     def peers_in_use(self) -> set[str]:
         """Backend names of the peers a request in flight or quarantined has parts with."""
