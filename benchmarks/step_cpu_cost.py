@@ -20,23 +20,9 @@ import time
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
+from read_phases import SMALL, _cache, producer  # the same producer (this directory is on sys.path)
 
-SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", model="busy-bench")
 WARM = 20
-
-
-def producer(spec, port, holds, ready, stop, tokens) -> None:
-    cache = [np.full(s, 7, dtype=np.uint16) for s in spec.tensor_shapes()]
-    with Agent("producer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1", side_channel_port=port)) as ag:
-        ag.register(cache)
-        ag.listen()
-        wires = {}
-        for rid, ids in holds:
-            ag.hold(rid, ids)
-            wires[rid] = ag.hold_token(rid).wire()
-        tokens.put(wires)
-        ready.set()
-        stop.wait(600)
 
 
 def main() -> None:
@@ -61,7 +47,7 @@ def main() -> None:
             reads.append((dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per]))
     ctx = mp.get_context("spawn")
     ready, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=producer, args=(spec, args.port, holds, ready, stop, queue), daemon=True)
+    proc = ctx.Process(target=producer, args=(spec, "cpu", args.port, holds, ready, stop, queue), daemon=True)
     proc.start()
     wires = queue.get(timeout=300)
     if not ready.wait(300):
@@ -72,6 +58,7 @@ def main() -> None:
 
         profile = cProfile.Profile()
     cache = [np.zeros(s, dtype=np.uint16) for s in spec.tensor_shapes()]
+    held = _cache(spec, "cpu", 1)  # the producer's bytes (its cache is made from this seed)
     remote = ("127.0.0.1", args.port)
     in_call, in_waits, walls = [], [], []
     with Agent("consumer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1",
@@ -103,7 +90,8 @@ def main() -> None:
                 in_waits.append(c2 - c1)
                 walls.append(t2 - t0)
             landed = np.concatenate([reads[j][0] for j in range(k - len(step), k)])
-            if not all((c[:, landed] == 7).all() for c in cache):  # (K/V, blocks, ...): every block read is the producer's
+            source = np.concatenate([reads[j][1] for j in range(k - len(step), k)])
+            if not all(np.array_equal(c[:, landed], h[:, source]) for c, h in zip(cache, held)):  # (K/V, blocks, ...)
                 raise SystemExit(f"step {i}: a read's bytes differ from the producer's")
             for c in cache:
                 c[:, landed] = 0  # the next step that lands there must write it again
