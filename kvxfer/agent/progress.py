@@ -17,9 +17,12 @@ from kvxfer.protocol import decode_notification
 if TYPE_CHECKING:
     from kvxfer.agent.parts import AgentParts
 
-__all__ = ["drive_once", "on_notification", "run_progress"]
+__all__ = ["HOLDING_CADENCE", "IDLE_CADENCE", "drive_once", "on_notification", "run_progress", "wake_for_reads"]
 
 log = logging.getLogger("kvxfer.agent")
+
+IDLE_CADENCE = 0.005     # seconds between the driver's whole passes with nothing to poll
+HOLDING_CADENCE = 0.001  # the same while this agent holds requests (their leases expire)
 
 
 def on_notification(agent: "AgentParts", peer: str, data: bytes) -> None:
@@ -36,20 +39,37 @@ def on_notification(agent: "AgentParts", peer: str, data: bytes) -> None:
     agent.reports.write_arrived(request_id, engine_id)
 
 
-def drive_once(agent: "AgentParts") -> tuple[bool, int]:
+def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, float]:
     """One pass over everything that moves: transfers (and the claims they wait for), staged
-    pipelines, notifications, lease expiry. Runs on the progress thread and in ``Agent.poll``
-    (an engine's own thread); both may run it at once: each request is polled by one thread at
-    a time. Returns (busy: poll again without sleeping, moving: ``TransferEngine.moving``)."""
-    busy, moving = False, 0
+    pipelines, notifications, lease expiry. Runs in ``Agent.poll`` (an engine's own thread) and
+    on the progress thread (``driver``); both may run it at once: each request is polled by one
+    thread at a time.
+
+    The driver stays off the interpreter of the threads that submit and poll their own reads: it
+    leaves a request to the thread that submitted it for its first ``CALLER_GRACE``, and makes a
+    whole pass only when it has a request to poll, a staged pipeline runs, or its cadence has
+    come (``IDLE_CADENCE``, ``HOLDING_CADENCE`` while this agent holds requests) since its last
+    whole pass; otherwise it only looks. Returns (busy: poll again without sleeping, moving:
+    ``TransferEngine.moving`` over what it polls, rest: the longest it may sleep before it
+    looks again)."""
     engine = agent.engine
+    cadence = HOLDING_CADENCE if len(agent.leases) else IDLE_CADENCE
+    busy, moving, fresh = False, 0, 0.0
+    if engine is not None:
+        moving, fresh = engine.driver_view(leave_fresh=driver)
+    if driver and not moving and not (engine is not None and agent.paths.pipelines_active()):
+        now = time.monotonic()
+        due = agent.driven_at + cadence - now
+        if due > 0 and (fresh or engine is None or not engine.in_flight()):
+            return False, 0, min(fresh, due) if fresh else due  # nothing for the driver yet: look again then
+    if driver:
+        agent.driven_at = time.monotonic()
     if engine is not None:
         # Spin only while bytes move: a request still claiming on its lane needs no polls, and
         # a spinning loop would take the interpreter from that lane.
-        moving = engine.moving()
         busy = moving == 2
         if moving or engine.in_flight():
-            engine.progress()
+            engine.progress(leave_fresh=driver)
         if agent.paths.pipelines_active():
             busy = True  # pipelines wait on notifications: deliver them at once
             agent.paths.packer.reap()
@@ -63,7 +83,9 @@ def drive_once(agent: "AgentParts") -> tuple[bool, int]:
     if ttl is not None and agent.peers is not None and now - agent.idle_swept_at >= min(ttl / 4, 30.0):
         agent.idle_swept_at = now
         forget_idle_peers(agent, ttl)
-    return busy, moving
+    if moving == 1:  # kernels, pipelines or claims' answers in flight: look again soon, not in a spin
+        return busy, moving, 0.0002
+    return busy, moving, min(fresh, cadence) if fresh else cadence
 
 
 def forget_idle_peers(agent: "AgentParts", ttl: float) -> None:
@@ -84,20 +106,33 @@ def run_progress(agent: "AgentParts") -> None:
         # Cleared before the pass, not after the wait: a wake-up that comes during the pass
         # makes the wait below return at once instead of being lost.
         wake.clear()
-        busy, moving = False, 0
+        engine = agent.engine
+        seen = engine.reserved if engine is not None else 0
+        busy, rest = False, IDLE_CADENCE
         try:
-            busy, moving = drive_once(agent)
+            busy, _, rest = drive_once(agent, driver=True)
         except ClosedError:
             return
         except Exception:  # the loop must survive anything a peer can cause
             log.exception("kvxfer progress loop")
-        if busy:
-            # UCX moves shared-memory data inside our polls: spin while transfers are in flight
-            if agent.config.progress_interval:
-                wake.wait(agent.config.progress_interval)
-            else:
-                time.sleep(0)
-        elif moving == 1:  # kernels, pipelines or claims' answers in flight: look again soon, not in a spin
-            wake.wait(0.0002)
-        else:
-            wake.wait(0.001 if len(agent.leases) else 0.005)
+        if not busy:
+            # Said before the last look below: a read submitted from now on sees how long this
+            # thread sleeps and wakes it if that is longer than its grace (``wake_for_reads``);
+            # one submitted during the pass is looked at now.
+            agent.next_look = time.monotonic() + rest
+            if engine is None or engine.reserved == seen:
+                wake.wait(rest)
+            agent.next_look = 0.0
+        elif agent.config.progress_interval:
+            wake.wait(agent.config.progress_interval)
+        else:  # UCX moves shared-memory data inside our polls: spin while transfers are in flight
+            time.sleep(0)
+
+
+def wake_for_reads(agent: "AgentParts", grace: float) -> None:
+    """After reads were submitted on the caller's thread (each left to that caller for ``grace``
+    seconds): wake the driver only if it sleeps past their grace. Otherwise it looks at them in
+    time on its own, and a wake would only take the interpreter from the caller now (a
+    thread woken on a 2-core host takes it for its look at once)."""
+    if agent.next_look - time.monotonic() > grace:
+        agent.wake.set()

@@ -228,7 +228,6 @@ class ReadFlow:
             if r.route.mode is TransferPath.IPC and r.live and key not in polled:
                 polled.add(key)
                 r.req.handle.done()
-        agent.wake.set()
         chosen = {id(r) for r in tokened}
         return [r for r in routed if id(r) not in chosen]
 
@@ -469,7 +468,6 @@ class ReadFlow:
                 # a failed read's parts to other ranks, if posted, are attached: it ends only with them;
                 # lone parts (no job yet) are posted by the engine here, with their notification
                 self._attach(r, read_parts, started=True)
-        agent.wake.set()
 
     def _post_shared(self, reads: list[PendingRead]) -> list[PendingRead]:
         """Post the token reads of ``reads`` planned together (``_route_direct_step``): one post for
@@ -580,10 +578,10 @@ class ReadFlow:
         # granted read of that launch whose kernel passed (``TransferEngine._poke``).
         for r in kernels.values():
             r.req.handle.done()
-        if kernels or previous is not None:
-            agent.wake.set()
         if direct:
             self._post_direct_many(direct)
+        if kernels or previous is not None or direct:
+            agent.wake.set()
 
     def _start_staged(self, r: PendingRead, previous: PendingRead | None) -> list:
         """Start a granted staged read. Staged reads of one batch run one after another: each

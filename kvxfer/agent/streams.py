@@ -80,7 +80,7 @@ class WriteStream:
             req = agent.engine.reserve(key, Direction.WRITE, deadline=self._deadline)
             self._chunks.append(req.handle)
         note = encode_notification(self.request_id, agent.engine_id, agent.config.auth_key)
-        req.handle.add_done_callback(self._on_chunk)
+        req.handle._add_callback(self._on_chunk)
         agent.lanes.put(self.remote, PendingWrite(req, local, remote_ids, note, self._deadline))
         agent.wake.set()
         return req.handle

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Sequence
 from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
+from kvxfer.agent.progress import wake_for_reads
 from kvxfer.agent.reads import PendingRead, ready_links
 from kvxfer.agent.tokens import tag_error
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
+from kvxfer.engine.transfers import CALLER_GRACE
 from kvxfer.config import check_flag
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
 from kvxfer.layout.request import check_block_id_lists, check_block_ids, check_token_count
@@ -95,7 +97,7 @@ class Submissions:
         by_peer: dict[tuple[str, int], list] = {}
         for read in pending:
             by_peer.setdefault(read.remote, []).append(read)
-        flow = agent.reads
+        flow, laned = agent.reads, False
         for remote, reads in by_peer.items():
             # A known producer's reads are routed, launched and claimed here (no peer I/O on this
             # thread) and then move on whichever thread polls them; the lane takes them where that
@@ -103,14 +105,18 @@ class Submissions:
             ready = ready_links(agent.peers, agent.spec, remote) if agent.lanes.idle(remote) else None
             if not flow.start_here(remote, reads, ready):
                 agent.lanes.put_many(remote, reads)
+                laned = True
         metrics = agent.metrics
         for read in pending:  # after the launch: a handle already complete runs them here, at once
             handle = read.req.handle
-            handle.add_done_callback(agent.on_read_done)
+            handle._add_callback(agent.on_read_done)
             if metrics is not None:
                 # the path is known once the lane chose it: read it when the handle completes
-                handle.add_done_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
-        agent.wake.set()
+                handle._add_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
+        if laned:
+            agent.wake.set()
+        else:  # all started here: the caller polls them first (``CALLER_GRACE``)
+            wake_for_reads(agent, CALLER_GRACE)
         return handles
 
     def _pending_reads(self, requests: Sequence[ReadRequest], started: float, locals_: list,
@@ -158,7 +164,7 @@ class Submissions:
         req = agent.engine.reserve(rid, Direction.WRITE, deadline=deadline)
         note = encode_notification(rid, agent.engine_id, agent.config.auth_key)
         if agent.metrics is not None:
-            req.handle.add_done_callback(partial(agent.metrics.observe, "write", "direct"))
+            req.handle._add_callback(partial(agent.metrics.observe, "write", "direct"))
         agent.lanes.put(key, PendingWrite(req, local, remote_ids, note, deadline))
         agent.wake.set()
         return req.handle

@@ -105,6 +105,10 @@ class TransferHandle:
         # last one stops.
         self._watched = 0
         self._unwatched: Callable[[], None] | None = None
+        # Hands the request to the background driver at once (set by the engine): a caller that
+        # awaits the handle or adds a done-callback says it will not poll, so the driver does
+        # not leave the request to it first (``kvxfer.engine.transfers.CALLER_GRACE``).
+        self._hand_over: Callable[[], None] | None = None
 
     # ---- engine side -----------------------------------------------------------
     def _finish(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> bool:
@@ -116,7 +120,7 @@ class TransferHandle:
                 # The call began setup_seconds before the post, and the post seconds before now.
                 stats.total_seconds = stats.setup_seconds + stats.seconds
             self._stats, self._error = stats, error
-            self._poke = None
+            self._poke = self._hand_over = None
             self._finished = True
             callbacks, self._callbacks = self._callbacks, []
             self._generation += 1
@@ -158,11 +162,20 @@ class TransferHandle:
         ConfigError, at once, when ``fn`` is not callable."""
         if not callable(fn):
             raise ConfigError(f"a done-callback must be callable; got {fn!r}")
+        if not self._add_callback(fn):
+            hand_over = self._hand_over
+            if hand_over is not None:
+                hand_over()
+
+    def _add_callback(self, fn) -> bool:
+        """``add_done_callback`` without the hand-over (kvxfer's own callbacks); True when the
+        handle was complete and ``fn`` ran here."""
         with self._lock:
             if not self._finished:
                 self._callbacks.append(fn)
-                return
+                return False
         self._run_callback(fn)
+        return True
 
     # ---- user side ---------------------------------------------------------------
     def done(self) -> bool:
@@ -255,7 +268,7 @@ class TransferHandle:
         def resolve(_: "TransferHandle") -> None:
             loop.call_soon_threadsafe(_settle, future, self)
 
-        self.add_done_callback(resolve)
+        self.add_done_callback(resolve)  # hands the request to the driver: the loop does not poll
         return (yield from future.__await__())
 
     def __repr__(self) -> str:

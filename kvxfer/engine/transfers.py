@@ -57,6 +57,14 @@ __all__ = ["LOOKING", "Job", "Part", "TransferEngine", "stop_jobs"]
 
 log = logging.getLogger("kvxfer.engine")
 
+#: Seconds a request is left to the thread that submitted it before the background driver polls
+#: it too (``progress(leave_fresh=True)``): the caller that submits a read then waits on it or
+#: polls it, and a driver polling beside it from the start only takes the interpreter from that
+#: caller (on the CPU host a small read took ~100 us longer). A caller that never polls sees its
+#: read completed by the driver at most this much later. Real time, like a waiter's spin: a
+#: scheduling hint, never a deadline.
+CALLER_GRACE = 0.0005
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 #: What a request's ``verify`` returns while its look is still out (a NIXL READ of a hold word on
@@ -143,6 +151,9 @@ class _Request:
     # is, the request cannot end (a deadline or a cancel only fails it), so nothing launched can
     # outlive its handle; only ``_abandon`` ends it, once its deadline and the grace have passed.
     posters: int = 0
+    # Until then (``time.monotonic``) the background driver leaves it to its caller's polls
+    # (``CALLER_GRACE``); ``Agent.poll``, a waiter and ``done()`` poll it at any time.
+    fresh_until: float = 0.0
     # One poller at a time. Held only for bookkeeping and non-blocking polls: never across a post,
     # a launch, a peer's I/O or a callback (those run after it is released).
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -195,6 +206,12 @@ def _give_up_look(req: _Request) -> None:
             cancel()
         except Exception:  # noqa: BLE001 - the look's row comes back later or never: no byte of the cache
             log.debug("request %r: giving up its look failed", req.handle.request_id, exc_info=True)
+
+
+def _fresh(req: _Request, now: float) -> bool:
+    """Whether the background driver leaves ``req`` to its caller's polls at ``now`` (live and
+    submitted less than ``CALLER_GRACE`` ago; a failed one it drains at once)."""
+    return req.fresh_until > now and req.error is None and not req.finished
 
 
 def _watched(req: _Request, groups: dict[int, bool]) -> bool:
@@ -251,6 +268,7 @@ class TransferEngine:
         self._quarantine: dict[str, _Request] = {}  # handle failed, transfers not confirmed ended
         self._sweeping = threading.Lock()          # one thread at a time confirms quarantined ends
         self._closed = False
+        self.reserved = 0  # requests ever reserved: the driver sees whether one came during its pass
 
     # ---- submission --------------------------------------------------------------
     def submit(self, request_id: str, direction: Direction, parts: list[Part], *,
@@ -298,12 +316,12 @@ class TransferEngine:
         flight, repeated among ``items``, or a quarantined block refuses the whole batch."""
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        now = time.perf_counter()
+        now, fresh = time.perf_counter(), time.monotonic() + CALLER_GRACE
         reqs = []
         for request_id, deadline, blocks in items:
             ids = _EMPTY if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
             reqs.append(_Request(TransferHandle(request_id), direction, [], deadline, now, "direct", ids,
-                                 phase=Phase.GRANTED if granted else Phase.RESERVED))
+                                 phase=Phase.GRANTED if granted else Phase.RESERVED, fresh_until=fresh))
         with self._lock:
             seen: set[str] = set()
             for req in reqs:
@@ -319,10 +337,18 @@ class TransferEngine:
                 self._check_not_quarantined_many([req.blocks for req in reqs])
             for req in reqs:
                 self._requests[req.handle.request_id] = req
+            self.reserved += len(reqs)
         for req in reqs:
             req.handle._poke = partial(self._poke, req)
             req.handle._unwatched = self._wake
+            req.handle._hand_over = partial(self._hand_over, req)
         return reqs
+
+    def _hand_over(self, req: "_Request") -> None:
+        """Its caller will not poll ``req`` (it awaits the handle or added a done-callback): the
+        background driver polls it from now on, not after ``CALLER_GRACE``."""
+        req.fresh_until = 0.0
+        self._wake()
 
     def attach(self, req: "_Request", parts: list[Part], *, mode: TransferPath | None = None,
                setup_seconds: float = 0.0, started: bool = False, group: list | None = None) -> bool:
@@ -533,12 +559,16 @@ class TransferEngine:
         with self._lock:
             return {rid: r.blocks.tolist() for rid, r in self._quarantine.items()}
 
-    def progress(self) -> None:
+    def progress(self, leave_fresh: bool = False) -> None:
         """Poll every in-flight part once; complete, fail, drain or time out requests. A request
-        whose waiter polls it (``TransferHandle.wait``) is left to that waiter."""
+        whose waiter polls it (``TransferHandle.wait``) is left to that waiter; ``leave_fresh``
+        (the background driver's passes): so is one submitted less than ``CALLER_GRACE`` ago."""
         with self._lock:
             requests = list(self._requests.values())
             quarantined = list(self._quarantine.values())
+        if leave_fresh:
+            now = time.monotonic()
+            requests = [req for req in requests if not _fresh(req, now)]
         with self._scope():
             self._progress(requests)
         if not quarantined or not self._sweeping.acquire(blocking=False):
@@ -706,10 +736,27 @@ class TransferEngine:
         (UCX moves host-memory data inside the polls: spin), 1 while only jobs that move their
         own bytes are in flight (a kernel, a pipeline thread: poll soon, without holding the
         interpreter from the threads launching them), 0 when nothing moves."""
+        return self.driver_view(leave_fresh=False)[0]
+
+    def driver_view(self, leave_fresh: bool = True) -> tuple[int, float]:
+        """``moving()`` for the background driver: the level, counting only requests it polls
+        (``leave_fresh``: not those left to their caller, see ``CALLER_GRACE``), and the seconds
+        until the first such request falls to it (0.0: none is left to a caller)."""
         with self._lock:
             requests = list(self._requests.values())
             if self._quarantine:
-                return 2
+                return 2, 0.0
+        level, fresh = 0, 0.0
+        if leave_fresh:
+            now = time.monotonic()
+            left = [req.fresh_until - now for req in requests if _fresh(req, now)]
+            if left:
+                fresh = min(left)
+                requests = [req for req in requests if not _fresh(req, now)]
+        return self._level(requests), fresh
+
+    @staticmethod
+    def _level(requests: list[_Request]) -> int:
         level = 0
         groups: dict[int, bool] = {}
         for req in requests:

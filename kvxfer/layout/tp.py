@@ -17,6 +17,8 @@ rank when the producer stores at least one head the consumer needs. The rules he
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from kvxfer.errors import LayoutError
 from kvxfer.layout.spec import KVSpec
 
@@ -55,17 +57,30 @@ def unit_notify_ranks(units: int, local_tp: int, local_rank: int, remote_tp: int
     """Every rank of a ``remote_tp`` instance holding a unit (a head, or a state segment's unit)
     that rank ``local_rank`` of a ``local_tp`` instance holds, for ``units`` units cut as heads are."""
     _check_tp(remote_tp)
-    need = head_range(units, local_tp, local_rank, mla)
-    return [r for r in range(remote_tp) if _overlaps(need, head_range(units, remote_tp, r, mla))]
+    return list(_notify(units, local_tp, local_rank, remote_tp, bool(mla)))
 
 
 def unit_read_ranks(units: int, local_tp: int, local_rank: int, remote_tp: int, mla: bool = False) -> list[int]:
     """The ranks of ``unit_notify_ranks`` a consumer reads from: one replica per distinct
     overlapping unit range, the one at position ``local_rank % replication`` (see ``peer_ranks``)."""
+    _check_tp(remote_tp)
+    return list(_read(units, local_tp, local_rank, remote_tp, bool(mla)))
+
+
+# Both answers depend only on a handful of ints and are asked for on every read: worked out once
+# for each combination (a bad combination raises and is not kept).
+@lru_cache(maxsize=256)
+def _notify(units: int, local_tp: int, local_rank: int, remote_tp: int, mla: bool) -> tuple[int, ...]:
+    need = head_range(units, local_tp, local_rank, mla)
+    return tuple(r for r in range(remote_tp) if _overlaps(need, head_range(units, remote_tp, r, mla)))
+
+
+@lru_cache(maxsize=256)
+def _read(units: int, local_tp: int, local_rank: int, remote_tp: int, mla: bool) -> tuple[int, ...]:
     by_range: dict[tuple[int, int], list[int]] = {}
-    for r in unit_notify_ranks(units, local_tp, local_rank, remote_tp, mla):
+    for r in _notify(units, local_tp, local_rank, remote_tp, mla):
         by_range.setdefault(head_range(units, remote_tp, r, mla), []).append(r)
-    return sorted(reps[local_rank % len(reps)] for reps in by_range.values())
+    return tuple(sorted(reps[local_rank % len(reps)] for reps in by_range.values()))
 
 
 def notify_ranks(local: KVSpec, remote_tp_size: int) -> list[int]:

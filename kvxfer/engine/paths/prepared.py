@@ -47,14 +47,15 @@ class PreparedBlocks:
                  remote_blocks: int, block_bytes: int) -> None:
         self._backend, self.peer = backend, peer
         self.local_id, self.remote_id = local_id, remote_id
-        self._regions = np.arange(regions, dtype=np.int64)[:, None]
-        self._nl, self._nr, self._bytes = local_blocks, remote_blocks, block_bytes
+        regions = np.arange(regions, dtype=np.int64)[:, None]
+        self._local_rows, self._remote_rows = regions * local_blocks, regions * remote_blocks  # each region's first row
+        self._bytes = block_bytes
 
     def request(self, local: np.ndarray, remote: np.ndarray) -> PreparedRequest:
         """The move of ``local[i] <- remote[i]`` (checked ids, whole blocks, one block each)."""
-        li = (self._regions * self._nl + local).reshape(-1)
-        ri = (self._regions * self._nr + remote).reshape(-1)
-        return PreparedRequest(li, ri, int(li.size) * self._bytes, self)
+        li = (self._local_rows + local).reshape(-1)
+        ri = (self._remote_rows + remote).reshape(-1)
+        return PreparedRequest(li, ri, li.size * self._bytes, self)
 
     def close(self) -> None:
         for prep in (self.local_id, self.remote_id):

@@ -273,7 +273,7 @@ def _prepared_requests(kit: PathKit, view: CacheView, links: list, plans: list, 
     if kit.vram or not links or local.size != remote.size or \
             view.geometry.bases.size * local.size > prepared_descriptors():
         return None  # (lists of other lengths: the plan's checks name the error; a large read: nothing prepared)
-    if local.size > 1 and bool(np.any((np.diff(local) == 1) & (np.diff(remote) == 1))):
+    if _adjacent_run(local, remote):
         return None  # a run of adjacent blocks on both sides: the plan's rows join it into one descriptor
     lists = []
     for link, plan in zip(links, plans):
@@ -284,6 +284,18 @@ def _prepared_requests(kit: PathKit, view: CacheView, links: list, plans: list, 
     for link in links:
         _check_ids(view.spec, local, link.spec, remote)
     return [p.request(local, remote) for p in lists]
+
+
+def _adjacent_run(local: np.ndarray, remote: np.ndarray) -> bool:
+    """Whether two consecutive blocks are adjacent on both sides (``local[i+1] == local[i] + 1``
+    and the same of ``remote``). A short list is looked at as Python ints (numpy's per-call cost
+    is most of it there)."""
+    if local.size < 2:
+        return False
+    if local.size <= 64:
+        lo, re_ = local.tolist(), remote.tolist()
+        return any(b - a == 1 and d - c == 1 for a, b, c, d in zip(lo, lo[1:], re_, re_[1:]))
+    return bool(((local[1:] - local[:-1] == 1) & (remote[1:] - remote[:-1] == 1)).any())
 
 
 def _plan_partial(kit: PathKit, configured: str, links: list, plans: list, local: np.ndarray,
