@@ -84,7 +84,7 @@ class Submissions:
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)
         pending = self._pending_reads(requests, started, locals_, remotes)
         reqs = agent.engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
-                                          granted=False)
+                                          granted=False, caller_polls=True)
         handles = []
         for read, req in zip(pending, reqs):
             read.req = req

@@ -36,7 +36,8 @@ class Gate:
     """Data calls together, control calls alone (see the module doc)."""
 
     def __init__(self, shared: bool = True) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._readers = 0      # data calls inside
         self._writer = False   # a control call inside
         self._asking = 0       # control calls waiting to enter
@@ -44,16 +45,21 @@ class Gate:
         self.control = _Side(self._enter_control, self._exit_control)
         self.data = _Side(self._enter_data, self._exit_data) if shared else self.control
 
+    # A data call (every post and poll) takes the plain lock only: it waits on the condition
+    # only while a control call is inside or asking, and wakes it only when one asks.
     def _enter_data(self) -> None:
-        with self._cond:
+        with self._mutex:
+            if not (self._writer or self._asking):
+                self._readers += 1
+                return
             while self._writer or self._asking:
                 self._cond.wait()
             self._readers += 1
 
     def _exit_data(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._readers -= 1
-            if not self._readers:
+            if not self._readers and self._asking:
                 self._cond.notify_all()
 
     def _enter_control(self) -> None:

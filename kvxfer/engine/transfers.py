@@ -311,12 +311,16 @@ class TransferEngine:
         """
         return self.reserve_many([(request_id, deadline, blocks)], direction, granted=granted)[0]
 
-    def reserve_many(self, items: list, direction: Direction, *, granted: bool = True) -> list["_Request"]:
+    def reserve_many(self, items: list, direction: Direction, *, granted: bool = True,
+                     caller_polls: bool = False) -> list["_Request"]:
         """``reserve`` for many ``(request_id, deadline, blocks)`` at once, all or none: one id in
-        flight, repeated among ``items``, or a quarantined block refuses the whole batch."""
+        flight, repeated among ``items``, or a quarantined block refuses the whole batch.
+        ``caller_polls``: the submitting thread polls them first; the background driver leaves
+        them to it for ``CALLER_GRACE``."""
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        now, fresh = time.perf_counter(), time.monotonic() + CALLER_GRACE
+        now = time.perf_counter()
+        fresh = time.monotonic() + CALLER_GRACE if caller_polls else 0.0
         reqs = []
         for request_id, deadline, blocks in items:
             ids = _EMPTY if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)

@@ -42,7 +42,7 @@ def _engine(wake=None):
 
 def _posted(engine, rid="r"):
     job = Job()
-    req = engine.reserve(rid, Direction.READ)
+    (req,) = engine.reserve_many([(rid, None, None)], Direction.READ, caller_polls=True)
     assert engine.attach(req, [Part("peer", None, MemKind.DRAM, b"", job=job)], started=True)
     return req, job
 
@@ -70,9 +70,19 @@ def test_an_engine_pass_and_a_poll_from_the_caller_never_wait_for_the_grace():
     assert req2.handle.done() and job2.polls == 1  # done() polls it on the caller's thread
 
 
+def test_a_request_no_caller_polls_is_the_drivers_from_the_start():
+    engine = _engine()
+    req = engine.reserve("w", Direction.WRITE)  # a write: posted and polled off the caller's thread
+    job = Job()
+    assert engine.attach(req, [Part("peer", None, MemKind.DRAM, b"", job=job)], started=True)
+    assert engine.driver_view(leave_fresh=True) == (2, 0.0)
+    engine.progress(leave_fresh=True)
+    assert job.polls == 1 and req.handle.wait(0).num_bytes == 100
+
+
 def test_a_fresh_read_that_failed_is_drained_by_the_driver_at_once():
     engine = _engine()
-    req = engine.reserve("r", Direction.READ)
+    (req,) = engine.reserve_many([("r", None, None)], Direction.READ, caller_polls=True)
     engine.fail(req, TransferFailedError("refused"))
     assert engine.driver_view(leave_fresh=True)[1] == 0.0  # not left to anyone
     engine.progress(leave_fresh=True)

@@ -11,6 +11,7 @@ from kvxfer.engine.paths.choose import (
     choose_path,
 )
 from kvxfer.engine.paths.pipes import PipeRouter
+from kvxfer.engine.paths.prepared import PREPARED_DESCRIPTORS
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.errors import ConfigError, ProtocolError, TransferFailedError
 from kvxfer.engine.paths.pipeline import DATA, FREE, READY, PipeMessage
@@ -69,6 +70,22 @@ def test_auto_on_host_memory_stages_many_tiny_pieces_across_a_network(remote, de
     got = choose_path("auto", facts(ipc="host memory", vram=False, staged=staged, descriptors=descriptors,
                                     num_bytes=num_bytes, remote=remote))
     assert got == want
+
+
+@pytest.mark.parametrize("remote", [False, True])
+@pytest.mark.parametrize("staged", [None, "peer serves no staged reads"])
+@pytest.mark.parametrize("descriptors", [1, 16, PREPARED_DESCRIPTORS])
+@pytest.mark.parametrize("block_bytes", [1, 4096, 1 << 20])
+def test_a_prepared_read_is_direct_in_auto_as_plan_read_takes_it_without_asking(remote, staged, descriptors,
+                                                                                 block_bytes):
+    """``plan_read`` routes a prepared read (host cache, at most PREPARED_DESCRIPTORS whole blocks,
+    nothing staged, not every rank mapped) as direct in "auto" without gathering the facts:
+    ``choose_path`` must give that answer for every such read."""
+    assert PREPARED_DESCRIPTORS < HOST_MANY_DESCRIPTORS
+    for peer_vram in (False, True):
+        got = choose_path("auto", PathFacts("host memory", staged, None, False, descriptors,
+                                            descriptors * block_bytes, remote, peer_vram))
+        assert got == "direct"
 
 
 def test_auto_falls_back_to_staged_when_direct_cannot_and_to_direct_when_staging_is_missing():

@@ -245,6 +245,13 @@ def plan_read(kit: PathKit, configured: str, view: CacheView, links: list, local
             _check_ids(view.spec, local, link.spec, remote)
         return ReadRoute(TransferPath.IPC, links, local, remote, request_id, note)
     requests = _prepared_requests(kit, view, links, plans, local, remote)
+    if requests is not None and configured == "auto":
+        # A prepared read: a host cache, at most PREPARED_DESCRIPTORS whole blocks, nothing staged,
+        # some rank not mapped for the kernel. ``choose_path`` can only answer direct for it (staged
+        # takes a GPU cache, or HOST_MANY_DESCRIPTORS and more across a network), so the facts
+        # it would weigh are not gathered on every read (tests/engine/test_paths.py holds the two to
+        # the same answer).
+        return ReadRoute(TransferPath.DIRECT, links, local, remote, request_id, note, [[r] for r in requests])
     if requests is None:
         requests = [plan.for_request(local, remote) for plan in plans]
     descriptors = sum(int(r.local.shape[0]) for r in requests)
