@@ -194,7 +194,7 @@ class Agent:
         self._open_words()
         self._engine = TransferEngine(self._backend, geometry.kind, clock=self._clock,
                                       staging_base=base, staging=staging, unpack=self._unpack,
-                                      on_reclaimed=self._reports.reclaimed, completion_scope=self._done.hold,
+                                      on_reclaimed=self._reports.reclaimed,
                                       wake=self._wake.set)
 
     def _open_words(self) -> None:

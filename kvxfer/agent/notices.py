@@ -20,7 +20,6 @@ GPU paths need fields it does not send), so this is the notify-only replicas' no
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Callable
@@ -42,8 +41,14 @@ def knows_done(info) -> bool:
 
 class DoneSender:
     """Delivers ``Done`` notices, in order per producer rank, each rank on its own lane (a frozen
-    producer delays only its own notices); the notices queued for one rank while its lane was
-    busy (a step's reads) go as one message. ``close`` drains and stops.
+    producer delays only its own notices); the notices handed to one rank's lane together (a
+    step's reads, or everything since the last flush) go as one message. ``close`` drains and stops.
+
+    ``send`` only queues: no thread is woken while a read completes (on a small host the woken
+    lane takes the interpreter from the thread that just completed the read, which is the
+    engine's). ``flush`` hands what is queued to the lanes: the agent's ``drive_once`` does, on
+    kvxfer's own thread at its cadence (at most ``IDLE_CADENCE`` later) and in ``Agent.poll``. A
+    notice is not urgent: the bytes have arrived, and the producer only frees the blocks sooner.
 
     Args:
         engine_id: this consumer's engine id (the notices' sender).
@@ -58,34 +63,30 @@ class DoneSender:
                  notify: Callable[[object, str], None] | None = None) -> None:
         self._engine_id, self._ask, self._notify = engine_id, ask, notify
         self._lanes = PeerLanes("kvxfer-done", self._run)
-        self._held = threading.local()
+        self._queued: list = []  # (link, request_id) not yet handed to a lane (``flush``)
+        self._lock = threading.Lock()
 
     def send(self, link, request_id: str) -> None:
-        """Queue a notice to ``link``'s producer rank (never blocks); inside ``hold``, at its end."""
-        held = getattr(self._held, "items", None)
-        if held is not None:
-            held.append((link, request_id))
-            return
-        self._put((link.host, link.port), [(link, request_id)])
+        """Queue a notice to ``link``'s producer rank (never blocks, wakes nobody); it goes at the
+        next ``flush``."""
+        with self._lock:
+            self._queued.append((link, request_id))
 
-    @contextlib.contextmanager
-    def hold(self):
-        """Keep this thread's notices until the block ends, then queue them together: a pass that
-        completes a step's requests wakes each producer rank's lane once, after its last one,
-        instead of waking it at the first while it still completes the others. Nests."""
-        if getattr(self._held, "items", None) is not None:
-            yield
+    def pending(self) -> int:
+        """Notices queued and not yet handed to a lane."""
+        return len(self._queued)
+
+    def flush(self) -> None:
+        """Hand every queued notice to its producer rank's lane, one batch per rank."""
+        if not self._queued:
             return
-        self._held.items = items = []
-        try:
-            yield
-        finally:
-            self._held.items = None
-            by_rank: dict[tuple, list] = {}
-            for link, request_id in items:
-                by_rank.setdefault((link.host, link.port), []).append((link, request_id))
-            for key, notices in by_rank.items():
-                self._put(key, notices)
+        with self._lock:
+            items, self._queued = self._queued, []
+        by_rank: dict[tuple, list] = {}
+        for link, request_id in items:
+            by_rank.setdefault((link.host, link.port), []).append((link, request_id))
+        for key, notices in by_rank.items():
+            self._put(key, notices)
 
     def _put(self, key: tuple, notices: list) -> None:
         try:
@@ -131,4 +132,5 @@ class DoneSender:
                         request_id, link.engine_id, exc)
 
     def close(self, timeout: float = 5.0) -> None:
+        self.flush()
         self._lanes.close(timeout)

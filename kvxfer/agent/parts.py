@@ -55,7 +55,6 @@ class AgentParts:
         self.closed = False
         self.expired_at = 0.0             # when leases were last expired (progress.drive_once)
         self.driven_at = 0.0              # the driver's last whole pass (``time.monotonic``; progress.drive_once)
-        self.next_look = 0.0              # when the sleeping driver looks again (0.0: it is awake; progress.wake_for_reads)
         self.idle_swept_at = 0.0          # when idle peers were last looked for (``peer_idle_ttl``)
         # the Agent's hooks
         self.check_open: Callable[[], None] = _unset

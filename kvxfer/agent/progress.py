@@ -17,7 +17,7 @@ from kvxfer.protocol import decode_notification
 if TYPE_CHECKING:
     from kvxfer.agent.parts import AgentParts
 
-__all__ = ["HOLDING_CADENCE", "IDLE_CADENCE", "drive_once", "on_notification", "run_progress", "wake_for_reads"]
+__all__ = ["HOLDING_CADENCE", "IDLE_CADENCE", "drive_once", "on_notification", "run_progress"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -73,6 +73,8 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
         if agent.paths.pipelines_active():
             busy = True  # pipelines wait on notifications: deliver them at once
             agent.paths.packer.reap()
+    if agent.done is not None:
+        agent.done.flush()  # the done notices of the reads completed since the last whole pass
     for peer, data in agent.backend.notifications():
         on_notification(agent, peer, data)
     now = agent.clock.now()
@@ -106,8 +108,6 @@ def run_progress(agent: "AgentParts") -> None:
         # Cleared before the pass, not after the wait: a wake-up that comes during the pass
         # makes the wait below return at once instead of being lost.
         wake.clear()
-        engine = agent.engine
-        seen = engine.reserved if engine is not None else 0
         busy, rest = False, IDLE_CADENCE
         try:
             busy, _, rest = drive_once(agent, driver=True)
@@ -116,23 +116,8 @@ def run_progress(agent: "AgentParts") -> None:
         except Exception:  # the loop must survive anything a peer can cause
             log.exception("kvxfer progress loop")
         if not busy:
-            # Said before the last look below: a read submitted from now on sees how long this
-            # thread sleeps and wakes it if that is longer than its grace (``wake_for_reads``);
-            # one submitted during the pass is looked at now.
-            agent.next_look = time.monotonic() + rest
-            if engine is None or engine.reserved == seen:
-                wake.wait(rest)
-            agent.next_look = 0.0
+            wake.wait(rest)
         elif agent.config.progress_interval:
             wake.wait(agent.config.progress_interval)
         else:  # UCX moves shared-memory data inside our polls: spin while transfers are in flight
             time.sleep(0)
-
-
-def wake_for_reads(agent: "AgentParts", grace: float) -> None:
-    """After reads were submitted on the caller's thread (each left to that caller for ``grace``
-    seconds): wake the driver only if it sleeps past their grace. Otherwise it looks at them in
-    time on its own, and a wake would only take the interpreter from the caller now (a
-    thread woken on a 2-core host takes it for its look at once)."""
-    if agent.next_look - time.monotonic() > grace:
-        agent.wake.set()

@@ -21,12 +21,10 @@ from typing import TYPE_CHECKING, Sequence
 from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.progress import wake_for_reads
 from kvxfer.agent.reads import PendingRead, ready_links
 from kvxfer.agent.tokens import tag_error
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
-from kvxfer.engine.transfers import CALLER_GRACE
 from kvxfer.config import check_flag
 from kvxfer.errors import ConfigError, KvxferError, TransferFailedError
 from kvxfer.layout.request import check_block_id_lists, check_block_ids, check_token_count
@@ -115,8 +113,10 @@ class Submissions:
                 handle._add_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
         if laned:
             agent.wake.set()
-        else:  # all started here: the caller polls them first (``CALLER_GRACE``)
-            wake_for_reads(agent, CALLER_GRACE)
+        # Reads started here wake no thread: their caller polls them (``wait``, ``done``,
+        # ``Agent.poll``), and kvxfer's own thread finds any it does not at its next look
+        # (``CALLER_GRACE``, ``kvxfer.agent.progress``); a done-callback or ``await`` hands a read
+        # to that thread at once.
         return handles
 
     def _pending_reads(self, requests: Sequence[ReadRequest], started: float, locals_: list,

@@ -268,7 +268,6 @@ class TransferEngine:
         self._quarantine: dict[str, _Request] = {}  # handle failed, transfers not confirmed ended
         self._sweeping = threading.Lock()          # one thread at a time confirms quarantined ends
         self._closed = False
-        self.reserved = 0  # requests ever reserved: the driver sees whether one came during its pass
 
     # ---- submission --------------------------------------------------------------
     def submit(self, request_id: str, direction: Direction, parts: list[Part], *,
@@ -341,7 +340,6 @@ class TransferEngine:
                 self._check_not_quarantined_many([req.blocks for req in reqs])
             for req in reqs:
                 self._requests[req.handle.request_id] = req
-            self.reserved += len(reqs)
         for req in reqs:
             req.handle._poke = partial(self._poke, req)
             req.handle._unwatched = self._wake

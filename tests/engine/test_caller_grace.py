@@ -3,12 +3,11 @@
 that will not poll hands it over at once. Fake backend: these are the engine's and the driver's
 own decisions, not transfers (the real-process reads are in tests/integration)."""
 
-import threading
 import types
 
 import pytest
 
-from kvxfer.agent.progress import HOLDING_CADENCE, IDLE_CADENCE, drive_once, wake_for_reads
+from kvxfer.agent.progress import HOLDING_CADENCE, IDLE_CADENCE, drive_once
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.clock import ManualClock
 from kvxfer.engine import transfers
@@ -112,21 +111,6 @@ def test_a_callback_on_a_finished_handle_runs_at_once_and_wakes_nobody():
     assert seen == [req.handle] and woken == []
 
 
-def _agent(next_look: float):
-    return types.SimpleNamespace(next_look=next_look, wake=threading.Event())
-
-
-def test_reads_wake_the_driver_only_when_it_sleeps_past_their_grace(monkeypatch):
-    monkeypatch.setattr("kvxfer.agent.progress.time.monotonic", lambda: 100.0)
-    awake = _agent(0.0)  # mid-pass: it sees the new reads itself (``TransferEngine.reserved``)
-    wake_for_reads(awake, CALLER_GRACE)
-    soon = _agent(100.0 + CALLER_GRACE / 2)  # looks again within their grace anyway
-    wake_for_reads(soon, CALLER_GRACE)
-    late = _agent(100.0 + IDLE_CADENCE)  # asleep for its idle cadence: would look too late
-    wake_for_reads(late, CALLER_GRACE)
-    assert (awake.wake.is_set(), soon.wake.is_set(), late.wake.is_set()) == (False, False, True)
-
-
 class _Paths:
     def pipelines_active(self) -> bool:
         return False
@@ -152,8 +136,16 @@ class _Leases:
         self.expired += 1
 
 
+class _Done:
+    def __init__(self):
+        self.flushed = 0
+
+    def flush(self) -> None:
+        self.flushed += 1
+
+
 def _driver_agent(engine, held=0):
-    return types.SimpleNamespace(engine=engine, paths=_Paths(), backend=_Backend(), leases=_Leases(held),
+    return types.SimpleNamespace(engine=engine, paths=_Paths(), backend=_Backend(), leases=_Leases(held), done=_Done(),
                                  clock=ManualClock(), expired_at=0.0, idle_swept_at=0.0, driven_at=0.0,
                                  config=types.SimpleNamespace(peer_idle_ttl=None), peers=None)
 
@@ -168,13 +160,14 @@ def test_the_driver_only_looks_while_every_read_is_left_to_its_caller_then_passe
     assert agent.backend.asked == 1 and rest == IDLE_CADENCE
     req, job = _posted(engine)
     busy, moving, rest = drive_once(agent, driver=True)
-    assert (busy, moving, job.polls, agent.backend.asked) == (False, 0, 0, 1)  # only a look
+    assert (busy, moving, job.polls, agent.backend.asked, agent.done.flushed) == (False, 0, 0, 1, 1)  # only a look
     assert rest == pytest.approx(CALLER_GRACE)
     now[0] += CALLER_GRACE  # its grace ended and the caller did not poll: the driver's now
     busy, moving, rest = drive_once(agent, driver=True)
     assert job.polls == 1 and req.handle.wait(0).num_bytes == 100 and agent.backend.asked == 2
+    assert agent.done.flushed == 2  # the done notices queued since go with the whole pass
     drive_once(agent)  # Agent.poll: always a whole pass
-    assert agent.backend.asked == 3
+    assert agent.backend.asked == 3 and agent.done.flushed == 3
 
 
 def test_an_agent_holding_requests_passes_on_the_shorter_cadence(monkeypatch):

@@ -6,10 +6,12 @@ carried ids, a second session per producer rank (a second ZMQ connection and Hel
 """
 
 import threading
+import types
 
 import msgspec
 import pytest
 
+from kvxfer.agent.notices import DoneSender
 from kvxfer.errors import ProtocolError
 from kvxfer.protocol import MAX_BATCH, Claim, Codec, Done, Grant, Heartbeat, HeartbeatAck, compat_hash
 
@@ -90,9 +92,11 @@ def test_a_steps_notices_to_one_rank_go_in_one_message_and_end_every_hold(harnes
         return ask(lk, m)
     cons._done._ask = slow_ask
     cons._done.send(link, rids[0])
+    cons._done.flush()
     assert entered.wait(5)
     for rid in rids[1:]:
         cons._done.send(link, rid)
+    cons._done.flush()  # (the agent's thread may have flushed some already: all are queued behind the first)
     gate.set()
     assert wait_for(lambda: _told(messages) == rids)
     assert sum(isinstance(m, Done) for m in messages) == 2  # the first alone, then the 7 queued behind it
@@ -100,30 +104,37 @@ def test_a_steps_notices_to_one_rank_go_in_one_message_and_end_every_hold(harnes
     assert prod.holding("other")
 
 
-def test_notices_sent_inside_hold_go_together_at_its_end(harness):
-    """A pass completing a step's reads (``DoneSender.hold``) queues their notices only when it
-    ends: the lane is not woken by the first while the others still complete, and one ``Done``
-    names them all. Outside a hold a notice is queued at once."""
+def test_a_notice_wakes_no_thread_and_goes_with_the_next_flush_in_one_message():
+    """A read's completion only queues its notice (no lane is woken while the engine's thread
+    completes reads); ``flush`` (the agent's next whole pass, or ``Agent.poll``) hands everything
+    queued to the producer ranks' lanes, one ``Done`` per rank naming them all."""
+    told: list = []
+    sender = DoneSender("consumer-engine", lambda link, message: told.append((link, message)))
+    links = [types.SimpleNamespace(host="h", port=p, info=types.SimpleNamespace(batch_done=True, host_id="x"),
+                                   engine_id=f"p{p}") for p in (1, 2)]
+    for i in range(6):
+        sender.send(links[i % 2], f"r{i}")
+    threading.Event().wait(0.05)
+    assert told == [] and sender.pending() == 6 and sender._lanes.busy() == 0  # nothing sent, no thread
+    sender.flush()
+    assert wait_for(lambda: len(told) == 2) and sender.pending() == 0
+    by_port = {link.port: [m.request_id, *m.more] for link, m in told}
+    assert by_port == {1: ["r0", "r2", "r4"], 2: ["r1", "r3", "r5"]}
+    sender.send(links[0], "late")
+    sender.close()  # close sends what is still queued
+    assert [m.request_id for _, m in told[2:]] == ["late"]
+
+
+def test_an_agents_read_notices_reach_the_producer_without_a_flush_from_the_caller(harness):
+    """The agent's own thread flushes on its cadence: a notice queued and never flushed by the
+    caller still ends the producer's hold."""
     s = spec()
     prod, _ = harness.agent(s)
     cons, _ = harness.agent(s, listen=False)
     link = cons.connect(*prod.address)
-    rids = [f"h{i}" for i in range(6)]
-    for i, rid in enumerate(rids):
-        prod.hold(rid, [i])
-    messages: list = []
-    _seen(prod, messages)
-    with cons._done.hold():
-        with cons._done.hold():  # nested: still one batch, at the outer end
-            for rid in rids[:3]:
-                cons._done.send(link, rid)
-        for rid in rids[3:]:
-            cons._done.send(link, rid)
-        threading.Event().wait(0.05)
-        assert _told(messages) == [] and all(prod.holding(rid) for rid in rids)  # nothing sent yet
-    assert wait_for(lambda: _told(messages) == rids)
-    assert sum(isinstance(m, Done) for m in messages) == 1
-    assert wait_for(lambda: not any(prod.holding(rid) for rid in rids))
+    prod.hold("n", [4])
+    cons._done.send(link, "n")
+    assert wait_for(lambda: not prod.holding("n"))
 
 
 def test_a_producer_without_batch_done_gets_one_notice_per_request(harness):
