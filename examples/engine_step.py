@@ -51,6 +51,15 @@ def prefill(index: int, ready, stop) -> None:
         stop.wait(120)
 
 
+def _state(pid: int) -> str:
+    """A process's scheduler state on Linux (T: stopped), for the diagnostic above."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -100,9 +109,14 @@ def main() -> None:
             for request, handle in zip(requests, handles):
                 if request.remote[1] == PORTS[1]:
                     try:
-                        handle.wait()
+                        stats = handle.wait()
                     except KvxferError:
                         failed += 1
+                    else:  # not expected: say how it completed
+                        print(f"  {request.request_id} completed from the frozen instance: mode {stats.mode}, "
+                              f"by token {stats.by_token}, claim {stats.claim_seconds * 1e3:.2f} ms, "
+                              f"{time.monotonic() - started:.3f} s after the call; the instance's state: "
+                              f"{_state(procs[1].pid)}")
             print(f"frozen instance: the healthy one's 4 reads took {healthy * 1e3:.1f} ms; "
                   f"the frozen one's {failed} failed typed after {time.monotonic() - started:.2f} s (timeout 2 s)")
             assert healthy < 1.0 and failed == 4
