@@ -106,7 +106,6 @@ def main() -> None:
         stats = pstats.Stats(profile)
         print(f"{stats.total_calls / args.n:.0f} Python calls a step (profiled)")
         stats.sort_stats(args.sort).print_stats(30)
-        stats.dump_stats("/tmp/step.prof")
 
 
 if __name__ == "__main__":
