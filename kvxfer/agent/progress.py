@@ -61,7 +61,7 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
         now = time.monotonic()
         due = agent.driven_at + cadence - now
         if due > 0 and (fresh or engine is None or not engine.in_flight()):
-            return False, 0, min(fresh, due) if fresh else due  # nothing for the driver yet: look again then
+            return False, 0, _sooner(fresh, due)  # nothing for the driver yet: look again then
     if driver:
         agent.driven_at = time.monotonic()
     if engine is not None:
@@ -87,7 +87,13 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
         forget_idle_peers(agent, ttl)
     if moving == 1:  # kernels, pipelines or claims' answers in flight: look again soon, not in a spin
         return busy, moving, 0.0002
-    return busy, moving, min(fresh, cadence) if fresh else cadence
+    return busy, moving, _sooner(fresh, cadence)
+
+
+def _sooner(fresh: float, bound: float) -> float:
+    """The driver's rest: ``bound``, or less where a caller's grace (``fresh`` seconds, 0.0 for
+    none) ends first."""
+    return min(fresh, bound) if fresh else bound
 
 
 def forget_idle_peers(agent: "AgentParts", ttl: float) -> None:

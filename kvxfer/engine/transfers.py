@@ -242,9 +242,6 @@ class TransferEngine:
         drain_grace: seconds past a failed request's deadline (or its failure, if later) that
             its handle waits for the backend to confirm its transfers ended.
         on_reclaimed: ``(request_id)`` when a quarantined request's blocks are free again.
-        completion_scope: a context manager factory wrapped around each pass that may complete
-            several requests (a progress pass, a waiter's poll of a step): the agent defers the
-            pass's completion notices there and sends them together.
         wake: called when the progress thread should poll again soon (a waiter that was polling
             its request stopped doing so).
     """
@@ -253,7 +250,6 @@ class TransferEngine:
                  staging_base: int = 0, staging: StagingAllocator | None = None,
                  unpack: Callable[[object, int], None] | None = None, drain_grace: float = 0.25,
                  on_reclaimed: Callable[[str], None] | None = None,
-                 completion_scope: Callable[[], contextlib.AbstractContextManager] | None = None,
                  wake: Callable[[], None] | None = None) -> None:
         self._backend = backend
         self._kind = local_kind
@@ -261,7 +257,6 @@ class TransferEngine:
         self._area = StagingBuffer(staging_base, staging, unpack) if staging is not None and unpack else None
         self._grace = drain_grace
         self._on_reclaimed = on_reclaimed or (lambda request_id: None)
-        self._scope = completion_scope or contextlib.nullcontext
         self._wake = wake or (lambda: None)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}   # posted, not yet ended (draining included)
@@ -571,8 +566,7 @@ class TransferEngine:
         if leave_fresh:
             now = time.monotonic()
             requests = [req for req in requests if not _fresh(req, now)]
-        with self._scope():
-            self._progress(requests)
+        self._progress(requests)
         if not quarantined or not self._sweeping.acquire(blocking=False):
             return
         try:
@@ -666,16 +660,14 @@ class TransferEngine:
             return True
         advance = req.advance
         if advance is not None and not (req.posted and req.granted) and not req.finished:
-            with self._scope():
-                advance(block)
+            advance(block)
             if not req.granted and not req.finished:
                 return None
         if not req.posted or not req.granted:
             return False
-        with self._scope():
-            self._poll_once(req)
-            if req.finished and req.group:
-                self._poll_group(req.group)
+        self._poll_once(req)
+        if req.finished and req.group:
+            self._poll_group(req.group)
         return True
 
     def _poll_group(self, group: list[_Request]) -> None:

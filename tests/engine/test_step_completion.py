@@ -1,7 +1,8 @@
 """A step's reads share one kernel: polling one read that completes also completes the others of
-its launch that may complete (granted and posted), in one pass, with their completion notices
-handed over together; while a waiter polls a step's read itself, the progress thread leaves that
-step to it, and takes it back when the waiter stops."""
+its launch that may complete (granted and posted), in one pass (the agent sends their done
+notices together at its next whole pass: tests/engine/test_done_channel.py); while a waiter polls
+a step's read itself, the progress thread leaves that step to it, and takes it back when the
+waiter stops."""
 
 import threading
 import time
@@ -32,37 +33,11 @@ class KernelJob:
         return True
 
 
-class Scope:
-    """A completion scope that records which notices were sent inside which pass."""
-
-    def __init__(self):
-        self.passes: list[list[str]] = []
-        self.current: list[str] | None = None
-
-    def __call__(self):
-        scope = self
-
-        class _Pass:
-            def __enter__(self):
-                if scope.current is None:
-                    scope.current = []
-                    self.outer = True
-                else:
-                    self.outer = False
-
-            def __exit__(self, *exc):
-                if self.outer:
-                    scope.passes.append(scope.current)
-                    scope.current = None
-
-        return _Pass()
-
-
-def _step(n=4, granted=None, scope=None, wake=None):
+def _step(n=4, granted=None, wake=None):
     world = FakeWorld()
     me, peer = FakeBackend("me", world), FakeBackend("peer", world)
     me.add_peer(peer.metadata())
-    engine = TransferEngine(me, MemKind.VRAM, clock=ManualClock(), completion_scope=scope, wake=wake)
+    engine = TransferEngine(me, MemKind.VRAM, clock=ManualClock(), wake=wake)
     job = KernelJob()
     shared = SharedJob(job, members=n)
     reqs = engine.reserve_many([(f"r{i}", None, [i]) for i in range(n)], Direction.READ, granted=False)
@@ -70,8 +45,6 @@ def _step(n=4, granted=None, scope=None, wake=None):
 
     def notice(rid):
         sent.append(rid)
-        if scope is not None and scope.current is not None:
-            scope.current.append(rid)
 
     with engine.posting(reqs):
         for i, req in enumerate(reqs):
@@ -85,13 +58,11 @@ def _step(n=4, granted=None, scope=None, wake=None):
 
 
 def test_polling_one_read_of_a_step_completes_every_granted_read_of_its_launch():
-    scope = Scope()
-    engine, job, reqs, sent = _step(4, granted={0, 1, 3}, scope=scope)
+    engine, job, reqs, sent = _step(4, granted={0, 1, 3})
     job.finished.set()
     assert reqs[0].handle.done()                      # one poll, nobody else polling
     assert [r.finished for r in reqs[1:]] == [True, False, True]  # completed by that one poll
     assert sorted(sent) == ["r0", "r1", "r3"]
-    assert scope.passes[-1] == ["r0", "r1", "r3"]     # the notices of one pass, together
     assert not reqs[2].finished                       # not granted: its bytes may not count yet
     engine.grant(reqs[2])
     assert reqs[2].handle.done() and sent[-1] == "r2"
