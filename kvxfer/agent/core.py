@@ -701,9 +701,10 @@ class Agent:
         self._backend.notify(link.agent_name, note)
 
     def _on_read_done(self, handle: TransferHandle) -> None:  # a done-callback: runs on the completing thread
-        self._read_remotes.pop(handle.request_id, None)
-        self._claims.pop(handle.request_id)
-        self._reports.read_done(handle)
+        parts = self._parts  # once: each ``_part`` property is a call
+        parts.read_remotes.pop(handle.request_id, None)
+        parts.claims.pop(handle.request_id)
+        parts.reports.read_done(handle)
 
     def _on_hold(self, request_id: str, ids, named: tuple) -> None:  # inside the lease table's lock
         words = self._words

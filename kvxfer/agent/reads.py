@@ -529,7 +529,9 @@ class ReadFlow:
             r.req.on_success = lambda: [agent.done.send(link, r.request_id) for link in done_links]
 
     def _notify_only(self, r: PendingRead) -> list:
-        return [link for link, _ in (r.sent or ()) if link not in r.route.links]
+        if not r.sent:  # a read by its token claimed nothing
+            return []
+        return [link for link, _ in r.sent if link not in r.route.links]
 
     def _settle(self, reads: list[PendingRead], links: list) -> None:
         """Take each read's claim answers: grant it (staged reads start now) or fail it."""

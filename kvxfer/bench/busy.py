@@ -6,9 +6,10 @@ not wait for it. Two processes on one host (host memory, UCX's defaults), a cach
 
 * **producer busy**: the producer's main thread runs Python for a share of every 8 ms (0, 50 and
   100 %), as a scheduler loop does; the consumer reads with ``read(...).wait()``.
-* **stepping consumer**: the consumer's main thread runs 4 ms of Python per step and then polls
-  (``Agent.poll()`` where the agent has it, then ``handle.done()``): the step at which the read is
-  seen done.
+* **stepping consumer**: the consumer's main thread polls (``Agent.poll()`` where the agent has
+  it, then ``handle.done()``; raw NIXL: its state check) and, while the read is not done, runs a
+  step of 4 ms of Python before it polls again: the step at which the read is seen done (1: at
+  the first look, before any step), and the time from the call to that look.
 * **kvxfer token**: the same reads carrying the producer's hold token (``ReadRequest.token``,
   issue 35): no claim, the producer's hold word looked at once the move completed.
 * **raw NIXL** in the same run, as stock vLLM's connector uses it: the same descriptors (one per
@@ -224,18 +225,18 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
                 steps = 0
                 if poll_between is None:
                     handle.wait()
-                else:
+                else:  # as ``raw_read``: look first, and run a step while the read is not done
                     while True:
-                        steps += 1
-                        poll_between()
                         if _has_poll(agent):
                             agent.poll()
                         if handle.done():
                             handle.wait(0)
                             break
+                        steps += 1
+                        poll_between()
                 seconds = time.perf_counter() - started
                 check(src, dst)
-                return seconds, steps
+                return seconds, steps + 1
 
             def raw_read(poll_between=None) -> tuple[float, int]:
                 _, src, dst = pick()

@@ -34,6 +34,9 @@ from kvxfer.transport.express import ExpressLane
 __all__ = ["MUX_HEADER", "MUX_MAGIC", "PendingReply", "SideChannelClient", "check_port", "endpoint", "shared_context"]
 
 monitor_ids = itertools.count()  # unique inproc names, even when a socket's fd is reused
+#: ``stale`` looks at the socket's monitor at most this often (seconds): a read's critical path
+#: asks it for every link it uses, and a drop is reported asynchronously anyway (ZMQ's I/O thread).
+MONITOR_LOOK = 0.001
 MUX_MAGIC = b"KVXM"  # a multiplexed request or reply: MUX_MAGIC, its id (u64 big-endian), the frame
 MUX_HEADER = len(MUX_MAGIC) + 8
 _context_lock = threading.Lock()
@@ -100,6 +103,7 @@ class SideChannelClient:
         self._connected = False
         self._dropped = False       # the connection dropped during the current wait
         self._ever_dropped = False  # sticky until the socket is replaced: see ``stale``
+        self._monitor_due = 0.0     # ``stale``'s next look at the monitor (``time.monotonic``)
         self._closed = False
 
     # ---- the socket (callers hold _io) -----------------------------------------------
@@ -376,14 +380,19 @@ class SideChannelClient:
     def stale(self) -> bool:
         """Whether a session handshaken on this client may be gone at the server: the client was
         closed, its express lane failed, or its connection dropped since (the peer may have
-        restarted; ZMQ reconnects silently). Never blocks: False while another caller holds the socket."""
+        restarted; ZMQ reconnects silently). Never blocks: False while another caller holds the socket.
+        A drop reaches the monitor asynchronously; it is looked at once per ``MONITOR_LOOK`` at most."""
         lane = self._lane
         if self._closed or (lane is not None and lane.dead):
             return True
-        if not self._io.acquire(blocking=False):
+        if self._ever_dropped:
+            return True
+        now = time.monotonic()
+        if now < self._monitor_due or not self._io.acquire(blocking=False):
             return False
         try:
             self._drain_monitor()
+            self._monitor_due = now + MONITOR_LOOK
             return self._ever_dropped
         finally:
             self._io.release()

@@ -366,7 +366,7 @@ def _check_ids(local_spec, local: np.ndarray, remote_spec, remote: np.ndarray) -
     ``local`` and ``remote`` come from ``Agent.read``'s ``check_block_ids`` (1-D int64, distinct,
     local ids below ``local_spec.num_blocks``): only the remote ids' bound, which that check could
     not know, is left to test."""
-    if remote.size and int(remote.max()) >= remote_spec.num_blocks:
+    if remote.size and (max(remote.tolist()) if remote.size <= 64 else int(remote.max())) >= remote_spec.num_blocks:
         check_block_ids("remote", remote, remote_spec.num_blocks)  # raises, naming the id and the bound
     if local.size * local_spec.block_size != remote.size * remote_spec.block_size:
         raise BlockIdError(
