@@ -16,7 +16,28 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["AgentParts"]
+__all__ = ["AgentParts", "Submitting"]
+
+
+class Submitting:
+    """How many calls are submitting reads right now (``Submissions.reads``, from booking to the
+    last launch or post): kvxfer's own thread defers its done-notice flush while one is
+    (``kvxfer.agent.progress``). True while any is."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
+
+    def __bool__(self) -> bool:
+        return self._count > 0
 
 
 class AgentParts:
@@ -55,6 +76,8 @@ class AgentParts:
         self.closed = False
         self.expired_at = 0.0             # when leases were last expired (progress.drive_once)
         self.driven_at = 0.0              # the driver's last whole pass (``time.monotonic``; progress.drive_once)
+        self.flushed_at = 0.0             # the done notices' last flush (``time.monotonic``; progress.drive_once)
+        self.submitting = Submitting()    # calls submitting reads now (submit.Submissions.reads)
         self.idle_swept_at = 0.0          # when idle peers were last looked for (``peer_idle_ttl``)
         # the Agent's hooks
         self.check_open: Callable[[], None] = _unset

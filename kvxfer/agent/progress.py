@@ -17,12 +17,15 @@ from kvxfer.protocol import decode_notification
 if TYPE_CHECKING:
     from kvxfer.agent.parts import AgentParts
 
-__all__ = ["HOLDING_CADENCE", "IDLE_CADENCE", "drive_once", "on_notification", "run_progress"]
+__all__ = ["DONE_DEFER", "HOLDING_CADENCE", "IDLE_CADENCE", "drive_once", "on_notification", "run_progress"]
 
 log = logging.getLogger("kvxfer.agent")
 
 IDLE_CADENCE = 0.005     # seconds between the driver's whole passes with nothing to poll
 HOLDING_CADENCE = 0.001  # the same while this agent holds requests (their leases expire)
+#: The longest the driver defers its done-notice flush while a call submits reads: the flush
+#: wakes the producers' done lanes, which would share the interpreter with that call's launch.
+DONE_DEFER = 0.02
 
 
 def on_notification(agent: "AgentParts", peer: str, data: bytes) -> None:
@@ -46,10 +49,11 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
     thread at a time.
 
     The driver stays off the interpreter of the threads that submit and poll their own reads: it
-    leaves a request to the thread that submitted it for its first ``CALLER_GRACE``, and makes a
-    whole pass only when it has a request to poll, a staged pipeline runs, or its cadence has
-    come (``IDLE_CADENCE``, ``HOLDING_CADENCE`` while this agent holds requests) since its last
-    whole pass; otherwise it only looks. Returns (busy: poll again without sleeping, moving:
+    leaves a request to the thread that submitted it while that call works on it and for
+    ``CALLER_GRACE`` after, and makes a whole pass only when it has a request to poll, a staged
+    pipeline runs, or its cadence has come (``IDLE_CADENCE``, ``HOLDING_CADENCE`` while this
+    agent holds requests) since its last whole pass; otherwise it only looks. While a call
+    submits reads it does not flush done notices (for ``DONE_DEFER`` at most). Returns (busy: poll again without sleeping, moving:
     ``TransferEngine.moving`` over what it polls, rest: the longest it may sleep before it
     looks again)."""
     engine = agent.engine
@@ -74,7 +78,12 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
             busy = True  # pipelines wait on notifications: deliver them at once
             agent.paths.packer.reap()
     if agent.done is not None:
-        agent.done.flush()  # the done notices of the reads completed since the last whole pass
+        # the done notices of the reads completed since the last flush; the driver's wait while a
+        # call submits reads (at most DONE_DEFER): the lanes they wake would slow that call
+        at = time.monotonic()
+        if not (driver and agent.submitting and at - agent.flushed_at < DONE_DEFER):
+            agent.flushed_at = at
+            agent.done.flush()
     for peer, data in agent.backend.notifications():
         on_notification(agent, peer, data)
     now = agent.clock.now()

@@ -83,6 +83,16 @@ class Submissions:
         pending = self._pending_reads(requests, started, locals_, remotes)
         reqs = agent.engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
                                           granted=False, caller_polls=True)
+        agent.submitting.enter()
+        try:
+            return self._start_reads(pending, reqs)
+        finally:
+            agent.submitting.leave()
+            agent.engine.submitted(reqs)  # their caller's grace starts now (``CALLER_GRACE``)
+
+    def _start_reads(self, pending: list[PendingRead], reqs: list) -> list[TransferHandle]:
+        """``reads`` once booked: start each producer's reads here or hand them to its lane."""
+        agent = self._agent
         handles = []
         for read, req in zip(pending, reqs):
             read.req = req

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from functools import partial
@@ -57,13 +58,19 @@ __all__ = ["LOOKING", "Job", "Part", "TransferEngine", "stop_jobs"]
 
 log = logging.getLogger("kvxfer.engine")
 
-#: Seconds a request is left to the thread that submitted it before the background driver polls
-#: it too (``progress(leave_fresh=True)``): the caller that submits a read then waits on it or
-#: polls it, and a driver polling beside it from the start only takes the interpreter from that
-#: caller (on the CPU host a small read took ~100 us longer). A caller that never polls sees its
-#: read completed by the driver at most this much later. Real time, like a waiter's spin: a
-#: scheduling hint, never a deadline.
+#: Seconds a request is left to the thread that submitted it, from the end of its submission
+#: (``submitted``), before the background driver polls it too (``progress(leave_fresh=True)``):
+#: the caller that submits a read then waits on it or polls it, and a driver polling beside it
+#: from the start only takes the interpreter from that caller (on the CPU host a small read took
+#: ~100 us longer). A caller that never polls sees its read completed by the driver at most this
+#: much later. Real time, like a waiter's spin: a scheduling hint, never a deadline.
 CALLER_GRACE = 0.0005
+
+#: ``_Request.fresh_until`` while the submitting call still works on the request (booked, not yet
+#: handed back): the driver leaves it alone until ``submitted`` starts its grace. A step's call
+#: books every read before it launches or posts any, and a driver waking at a grace counted from
+#: the booking took the interpreter from that call in the middle of the step's launch.
+SUBMITTING = math.inf
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -152,7 +159,8 @@ class _Request:
     # outlive its handle; only ``_abandon`` ends it, once its deadline and the grace have passed.
     posters: int = 0
     # Until then (``time.monotonic``) the background driver leaves it to its caller's polls
-    # (``CALLER_GRACE``); ``Agent.poll``, a waiter and ``done()`` poll it at any time.
+    # (``SUBMITTING`` while the submitting call works on it, then ``CALLER_GRACE``); ``Agent.poll``,
+    # a waiter and ``done()`` poll it at any time.
     fresh_until: float = 0.0
     # One poller at a time. Held only for bookkeeping and non-blocking polls: never across a post,
     # a launch, a peer's I/O or a callback (those run after it is released).
@@ -310,11 +318,11 @@ class TransferEngine:
         """``reserve`` for many ``(request_id, deadline, blocks)`` at once, all or none: one id in
         flight, repeated among ``items``, or a quarantined block refuses the whole batch.
         ``caller_polls``: the submitting thread polls them first; the background driver leaves
-        them to it for ``CALLER_GRACE``."""
+        them to it until ``submitted`` and for ``CALLER_GRACE`` after."""
         if self._closed:
             raise ClosedError("transfer engine is closed")
         now = time.perf_counter()
-        fresh = time.monotonic() + CALLER_GRACE if caller_polls else 0.0
+        fresh = SUBMITTING if caller_polls else 0.0
         reqs = []
         for request_id, deadline, blocks in items:
             ids = _EMPTY if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
@@ -340,6 +348,14 @@ class TransferEngine:
             req.handle._unwatched = self._wake
             req.handle._hand_over = partial(self._hand_over, req)
         return reqs
+
+    def submitted(self, reqs: list["_Request"]) -> None:
+        """The call that booked ``reqs`` with ``caller_polls`` is done with them (launched,
+        posted, failed or handed to a lane): their ``CALLER_GRACE`` starts now."""
+        until = time.monotonic() + CALLER_GRACE
+        for req in reqs:
+            if req.fresh_until == SUBMITTING:
+                req.fresh_until = until
 
     def _hand_over(self, req: "_Request") -> None:
         """Its caller will not poll ``req`` (it awaits the handle or added a done-callback): the

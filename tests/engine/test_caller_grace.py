@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from kvxfer.agent.progress import HOLDING_CADENCE, IDLE_CADENCE, drive_once
+from kvxfer.agent.parts import Submitting
+from kvxfer.agent.progress import DONE_DEFER, HOLDING_CADENCE, IDLE_CADENCE, drive_once
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.clock import ManualClock
 from kvxfer.engine import transfers
@@ -43,7 +44,33 @@ def _posted(engine, rid="r"):
     job = Job()
     (req,) = engine.reserve_many([(rid, None, None)], Direction.READ, caller_polls=True)
     assert engine.attach(req, [Part("peer", None, MemKind.DRAM, b"", job=job)], started=True)
+    engine.submitted([req])  # read_many returns: its grace starts
     return req, job
+
+
+def test_a_read_is_its_callers_while_the_submitting_call_works_on_it_then_for_the_grace():
+    engine = _engine()
+    job = Job()
+    (req,) = engine.reserve_many([("r", None, None)], Direction.READ, caller_polls=True)
+    assert engine.attach(req, [Part("peer", None, MemKind.DRAM, b"", job=job)], started=True)
+    assert req.fresh_until == transfers.SUBMITTING
+    level, fresh = engine.driver_view(leave_fresh=True)
+    assert level == 0 and fresh == transfers.SUBMITTING  # no grace counted yet: the call is still on it
+    engine.progress(leave_fresh=True)
+    assert job.polls == 0
+    engine.submitted([req])
+    assert 0.0 < engine.driver_view(leave_fresh=True)[1] <= CALLER_GRACE
+    req.fresh_until = 0.0  # the grace has passed
+    engine.progress(leave_fresh=True)
+    assert job.polls == 1 and req.handle.wait(0).num_bytes == 100
+
+
+def test_submitted_keeps_a_hand_over_made_meanwhile():
+    engine = _engine()
+    (req,) = engine.reserve_many([("r", None, None)], Direction.READ, caller_polls=True)
+    req.handle.add_done_callback(lambda h: None)  # handed to the driver before the call returned
+    engine.submitted([req])
+    assert req.fresh_until == 0.0
 
 
 def test_the_driver_leaves_a_fresh_read_to_its_caller_and_polls_it_once_the_grace_ends():
@@ -147,6 +174,7 @@ class _Done:
 def _driver_agent(engine, held=0):
     return types.SimpleNamespace(engine=engine, paths=_Paths(), backend=_Backend(), leases=_Leases(held), done=_Done(),
                                  clock=ManualClock(), expired_at=0.0, idle_swept_at=0.0, driven_at=0.0,
+                                 flushed_at=0.0, submitting=Submitting(),
                                  config=types.SimpleNamespace(peer_idle_ttl=None), peers=None)
 
 
@@ -176,3 +204,24 @@ def test_an_agent_holding_requests_passes_on_the_shorter_cadence(monkeypatch):
     assert drive_once(agent, driver=True)[2] == HOLDING_CADENCE
     assert drive_once(agent, driver=True)[2] == pytest.approx(HOLDING_CADENCE)  # a look: the pass was just now
     assert agent.backend.asked == 1
+
+
+def test_the_driver_defers_done_notices_while_a_call_submits_reads_at_most_done_defer(monkeypatch):
+    now = [500.0]
+    monkeypatch.setattr("kvxfer.agent.progress.time.monotonic", lambda: now[0])
+    agent = _driver_agent(_engine())
+    drive_once(agent, driver=True)
+    assert agent.done.flushed == 1
+    agent.submitting.enter()  # a read_many books and launches its step
+    now[0] += IDLE_CADENCE
+    drive_once(agent, driver=True)  # a whole pass on its cadence, but no flush
+    assert agent.done.flushed == 1 and agent.backend.asked == 2
+    drive_once(agent)  # Agent.poll, on the engine's own thread: flushes
+    assert agent.done.flushed == 2
+    now[0] += DONE_DEFER + 0.001
+    drive_once(agent, driver=True)  # deferred long enough: flushed even while a call submits
+    assert agent.done.flushed == 3
+    agent.submitting.leave()
+    now[0] += IDLE_CADENCE
+    drive_once(agent, driver=True)
+    assert agent.done.flushed == 4
