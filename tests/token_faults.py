@@ -44,16 +44,26 @@ def split_ids(num_blocks: int, size: int, trial: int, salt: int) -> tuple[list[i
 class ReusingEngine:
     """The serving engine around a producer agent: calls ``overwrite(block ids)`` for a hold's blocks
     as soon as ``finished()`` reports the request (``reused``: the rids overwritten, in order;
-    ``freed``: ``(rid, why)`` of every report)."""
+    ``freed``: ``(rid, why)`` of every report). Like a real engine's block table it never
+    overwrites a block that a later hold of its own still covers (a test may hold the same block
+    again for a new request before the old one's release is reported)."""
 
     def __init__(self, agent, overwrite: Callable[[list[int]], None]) -> None:
         self.agent, self._overwrite = agent, overwrite
         self.blocks: dict[str, list[int]] = {}
         self.reused: list[str] = []
         self.freed: list[tuple[str, str]] = []
+        self.lock = threading.Lock()  # a hold is taken and recorded, or a release reused, as one step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
+
+    def hold(self, rid: str, blocks, lease, reuse: bool) -> None:
+        """``agent.hold``, recorded for reuse once released (``reuse``)."""
+        with self.lock:
+            self.agent.hold(rid, blocks, lease=lease)
+            if reuse:
+                self.blocks[rid] = list(blocks)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -61,9 +71,14 @@ class ReusingEngine:
             for why, rids in (("sent", fin.sent), ("expired", fin.expired), ("aborted", fin.aborted)):
                 for rid in sorted(rids):
                     self.freed.append((rid, why))
-                    ids = self.blocks.pop(rid, None)
-                    if ids is not None:
-                        self._overwrite(ids)
+                    with self.lock:
+                        ids = self.blocks.pop(rid, None)
+                        if ids is None:
+                            continue
+                        held = {b for other in self.blocks.values() for b in other}
+                        free = [b for b in ids if b not in held]
+                        if free:
+                            self._overwrite(free)
                         self.reused.append(rid)
             self._stop.wait(0.0005)
 
@@ -79,9 +94,7 @@ def token_command(agent, engine: ReusingEngine, op: str, args: tuple):
     them once ``finished()`` lists ``rid``."""
     if op in ("hold", "hold_token"):
         rid, blocks, lease = args[:3]
-        agent.hold(rid, blocks, lease=lease)
-        if args[3] if len(args) > 3 else True:
-            engine.blocks[rid] = list(blocks)
+        engine.hold(rid, blocks, lease, args[3] if len(args) > 3 else True)
         if op == "hold":
             return True
         op, args = "token", (rid,)

@@ -38,8 +38,11 @@ def pair():
 
 
 def _held(prod: Peer, rid: str, src: list[int]) -> tuple[list[np.ndarray], HoldToken]:
-    """The producer holds ``src`` under ``rid`` (reused once freed): its bytes and the token."""
-    return prod.ask(("blocks", src)), HoldToken.from_wire(prod.ask(("hold_token", rid, src, None, True)))
+    """The producer holds ``src`` under ``rid`` (reused once freed): its bytes once held, and the
+    token. (Taken before the hold, the bytes of a block an earlier trial's request still held
+    could change: that request's release may reach the producer's engine after the snapshot.)"""
+    token = HoldToken.from_wire(prod.ask(("hold_token", rid, src, None, True)))
+    return prod.ask(("blocks", src)), token
 
 
 def _read(agent, prod: Peer, rid: str, src: list[int], dst: list[int], token: HoldToken):
