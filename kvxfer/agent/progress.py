@@ -53,9 +53,9 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
     ``CALLER_GRACE`` after, and makes a whole pass only when it has a request to poll, a staged
     pipeline runs, or its cadence has come (``IDLE_CADENCE``, ``HOLDING_CADENCE`` while this
     agent holds requests) since its last whole pass; otherwise it only looks. While a call
-    submits reads it does not flush done notices (for ``DONE_DEFER`` at most). Returns (busy: poll again without sleeping, moving:
-    ``TransferEngine.moving`` over what it polls, rest: the longest it may sleep before it
-    looks again)."""
+    submits reads it does not flush done notices (for ``DONE_DEFER`` at most). Returns (busy:
+    poll again without sleeping, moving: ``TransferEngine.moving`` over what it polls, rest: the
+    longest it may sleep before it looks again)."""
     engine = agent.engine
     cadence = HOLDING_CADENCE if len(agent.leases) else IDLE_CADENCE
     busy, moving, fresh = False, 0, 0.0
@@ -78,8 +78,8 @@ def drive_once(agent: "AgentParts", driver: bool = False) -> tuple[bool, int, fl
             busy = True  # pipelines wait on notifications: deliver them at once
             agent.paths.packer.reap()
     if agent.done is not None:
-        # the done notices of the reads completed since the last flush; the driver's wait while a
-        # call submits reads (at most DONE_DEFER): the lanes they wake would slow that call
+        # the done notices of the reads completed since the last flush; the driver keeps them
+        # while a call submits reads (at most DONE_DEFER): the lanes they wake would slow it
         at = time.monotonic()
         if not (driver and agent.submitting and at - agent.flushed_at < DONE_DEFER):
             agent.flushed_at = at

@@ -15,7 +15,7 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.types import TransferPath
 
-__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "check_coverage",
+__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "check_coverage", "id_bounds",
            "check_token_count", "join_requests", "merge_rows"]
 
 _U64 = np.uint64
@@ -53,6 +53,15 @@ def check_block_ids(side: str, ids: Sequence[int] | np.ndarray, bound: int) -> n
 #: Lists up to this long are checked as Python ints (a read of a few blocks: several numpy
 #: calls cost more than the ids); longer ones, and any list that fails, take the numpy checks.
 _SMALL = 64
+
+
+def id_bounds(ids: np.ndarray) -> tuple[int, int]:
+    """The smallest and largest of a non-empty 1-D integer array, as Python ints; a short one
+    (up to ``_SMALL``) through Python's ``min``/``max``, which cost less there than numpy's calls."""
+    if ids.size <= _SMALL:
+        values = ids.tolist()
+        return min(values), max(values)
+    return int(ids.min()), int(ids.max())
 
 
 def _small_ids(ids, bound: int) -> np.ndarray | None:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.errors import BlockIdError
-from kvxfer.layout.request import check_block_id_lists, check_block_ids
+from kvxfer.layout.request import check_block_id_lists, check_block_ids, id_bounds
 
 BOUND = 40
 
@@ -87,3 +87,15 @@ def test_short_lists_checked_as_python_ints_give_the_numpy_checks_result(raw, ma
         return
     want, error = _numpy_path(x)
     _agrees(lambda: [check_block_ids("local", x, BOUND)], None if want is None else [want], error)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2**40, 2**40), min_size=1, max_size=130),
+       st.sampled_from([np.int64, np.int32, np.uint64]))
+def test_id_bounds_are_numpys_min_and_max_for_short_and_long_lists(values, dtype):
+    if dtype is not np.int64:
+        info = np.iinfo(dtype)
+        values = [min(max(v, int(info.min)), int(info.max)) for v in values]
+    ids = np.array(values, dtype=dtype)
+    lo, hi = id_bounds(ids)
+    assert (lo, hi) == (int(ids.min()), int(ids.max())) and type(lo) is int and type(hi) is int

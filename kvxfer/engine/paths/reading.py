@@ -35,7 +35,7 @@ from kvxfer.layout.pairs import unpack_pairs
 from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
 from kvxfer.layout import CacheView
 from kvxfer.layout.plan import head_overlap
-from kvxfer.layout.request import check_block_ids, check_coverage
+from kvxfer.layout.request import check_block_ids, check_coverage, id_bounds
 from kvxfer.protocol import PackReady, Refuse
 from kvxfer.protocol.messages import PackRequest
 from kvxfer.types import MemKind, TransferPath
@@ -366,7 +366,7 @@ def _check_ids(local_spec, local: np.ndarray, remote_spec, remote: np.ndarray) -
     ``local`` and ``remote`` come from ``Agent.read``'s ``check_block_ids`` (1-D int64, distinct,
     local ids below ``local_spec.num_blocks``): only the remote ids' bound, which that check could
     not know, is left to test."""
-    if remote.size and (max(remote.tolist()) if remote.size <= 64 else int(remote.max())) >= remote_spec.num_blocks:
+    if remote.size and id_bounds(remote)[1] >= remote_spec.num_blocks:
         check_block_ids("remote", remote, remote_spec.num_blocks)  # raises, naming the id and the bound
     if local.size * local_spec.block_size != remote.size * remote_spec.block_size:
         raise BlockIdError(
