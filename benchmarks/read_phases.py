@@ -7,8 +7,14 @@ steps of the read flow are wrapped to record when they begin and end, and on whi
 offset from the call over the timed iterations. No profiler: the offsets are true times, plus
 the wrappers' own cost (about a microsecond each).
 
+``--cold`` makes each step start as a bench iteration does (``kvxfer bench`` overwrites and
+compares the whole cache between two timed reads): 512 MiB copied on the device and a
+synchronize (on ``cpu``: 512 MiB of host memory written) right before the step's requests are
+made. ``--no-done`` never sends the consumer's done notices (the producer here holds every
+request until it stops, so nothing waits on them): what kvxfer's done lane costs the caller.
+
 Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 512] [--batch 1] [--reads 30]
-      [--hold-tokens] [--small] [--profile]
+      [--hold-tokens] [--small] [--profile] [--cold] [--no-done]
 """
 
 import argparse
@@ -110,6 +116,22 @@ def producer(spec, device, port, holds, ready, stop, tokens) -> None:
         stop.wait(600)
 
 
+def _chiller(device: str):
+    """What runs between two of the bench's timed reads, roughly: a large copy, then a synchronize."""
+    if device == "cpu":
+        a, b = np.zeros(1 << 29, dtype=np.uint8), np.ones(1 << 29, dtype=np.uint8)
+        return lambda: np.copyto(a, b)
+    import torch
+
+    a = torch.empty(1 << 29, dtype=torch.uint8, device=device)
+    b = torch.empty(1 << 29, dtype=torch.uint8, device=device)
+
+    def chill() -> None:
+        a.copy_(b)
+        torch.cuda.synchronize(device)
+    return chill
+
+
 def _thread(name: str) -> str:
     if name == "MainThread":
         return "caller"
@@ -132,7 +154,13 @@ def main() -> None:
     ap.add_argument("--hold-tokens", action="store_true", help="reads carry the producer's hold tokens (issue 35)")
     ap.add_argument("--profile", action="store_true", help="also cProfile read_many (the caller's time, by function)")
     ap.add_argument("--small", action="store_true", help="the busy-engine bench's small cache instead of Llama-3-8B's")
+    ap.add_argument("--cold", action="store_true", help="512 MiB copied (and synchronized) before each step, as the bench does")
+    ap.add_argument("--no-done", action="store_true", help="never send done notices (what the done lane costs)")
     args = ap.parse_args()
+    if args.no_done:
+        from kvxfer.agent.notices import DoneSender
+
+        DoneSender.flush = lambda self: None  # a probe: the producer holds every request until it stops
     shape = SMALL if args.small else SHAPE
     per = args.tokens // shape["block_size"]
     blocks = per * args.batch
@@ -170,7 +198,10 @@ def main() -> None:
         ag.register(cache)
         if held:
             ag.connect(*remote)  # token reads start on the caller's thread once the producer is known
+        chill = _chiller(args.device) if args.cold else None
         for i, step in enumerate(steps):
+            if chill is not None:
+                chill()
             EVENTS.clear()
             requests = [ReadRequest(remote, dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per], rid, timeout=60,
                                     token=held.get(rid))
