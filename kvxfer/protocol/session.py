@@ -35,6 +35,7 @@ from kvxfer.protocol.messages import (
     Claim,
     ClaimBatch,
     Done,
+    Grants,
     Heartbeat,
     Hello,
     Message,
@@ -50,6 +51,18 @@ from kvxfer.protocol.messages import (
 from kvxfer.types import SessionState
 
 __all__ = ["ClientSession", "ServerSession", "reject_error"]
+
+
+def _check_batch_answer(batch: ClaimBatch, answer: Grants) -> None:
+    """A ``Grants`` answers its ``ClaimBatch`` claim by claim, in order: one reply per claim, each
+    naming that claim's request (a grant of another request proves nothing about this one)."""
+    if len(answer.replies) != len(batch.claims):
+        raise ProtocolError(f"a ClaimBatch of {len(batch.claims)} claims was answered with "
+                            f"{len(answer.replies)} replies")
+    for index, (claim, reply) in enumerate(zip(batch.claims, answer.replies)):
+        if reply.request_id != claim.request_id:
+            raise ProtocolError(f"reply {index} of a ClaimBatch: request_id: expected {claim.request_id!r}; "
+                                f"got {reply.request_id!r}")
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +204,8 @@ class ClientSession:
         got_id = getattr(msg, "request_id", want_id)
         if want_id is not None and got_id != want_id:
             raise ProtocolError(f"reply request_id: expected {want_id!r}; got {got_id!r}")
+        if isinstance(request, ClaimBatch) and isinstance(msg, Grants):
+            _check_batch_answer(request, msg)
         return msg
 
 

@@ -17,8 +17,10 @@ from kvxfer.protocol import (
     Abort,
     Ack,
     Claim,
+    ClaimBatch,
     ClientSession,
     Grant,
+    Grants,
     Heartbeat,
     HeartbeatAck,
     Hello,
@@ -227,6 +229,20 @@ def test_bad_pack_request_and_mismatched_replies():
         cons.response(codec().encode(Grant("req-2", 1.0)), claim)
     with pytest.raises(ProtocolError, match="expected one of"):
         cons.request(Grant("req-1", 1.0))
+    assert cons.state is SessionState.READY
+
+
+def test_a_claim_batch_answer_must_name_each_claims_request_in_order():
+    prod, cons = Producer(), consumer()
+    connect(prod, cons)
+    batch = ClaimBatch([Claim("req-1", [1], "cons-1"), Claim("req-2", [2], "cons-1")])
+    right = Grants([Grant("req-1", 1.0), Refuse("req-2", "not held")])
+    assert cons.response(codec().encode(right), batch) == right
+    swapped = Grants([Grant("req-2", 1.0), Grant("req-1", 1.0)])
+    with pytest.raises(ProtocolError, match="reply 0 of a ClaimBatch: request_id: expected 'req-1'; got 'req-2'"):
+        cons.response(codec().encode(swapped), batch)
+    with pytest.raises(ProtocolError, match="ClaimBatch of 2 claims was answered with 1 replies"):
+        cons.response(codec().encode(Grants([Grant("req-1", 1.0)])), batch)
     assert cons.state is SessionState.READY
 
 
