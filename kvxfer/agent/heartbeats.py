@@ -45,6 +45,7 @@ def send_keepalive(agent: "AgentParts", remote: tuple[str, int], request_ids: Se
     except KvxferError as exc:
         log.warning("keepalive at %s:%s: %s", remote[0], remote[1], exc)
         return KeepaliveResult(unreachable=((remote[0], int(remote[1])),))
+    asked = set(beat.request_ids)
     gone: set[str] = set()
     unreachable: list[tuple[str, int]] = []
     for link in links:
@@ -57,5 +58,5 @@ def send_keepalive(agent: "AgentParts", remote: tuple[str, int], request_ids: Se
             log.warning("keepalive at %s (%s:%d): %s", link.engine_id, link.host, link.port, exc)
             unreachable.append((link.host, link.port))
             continue
-        gone.update(ack.gone)
+        gone.update(rid for rid in ack.gone if rid in asked)  # a rank speaks only for what it was asked
     return KeepaliveResult(tuple(sorted(gone)), tuple(unreachable))
