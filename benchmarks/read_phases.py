@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="the busy-engine bench's small cache instead of Llama-3-8B's")
     ap.add_argument("--cold", action="store_true", help="512 MiB copied (and synchronized) before each step, as the bench does")
     ap.add_argument("--no-done", action="store_true", help="never send done notices (what the done lane costs)")
+    ap.add_argument("--num-blocks", type=int, default=0, help="the caches' blocks (default: twice what a step reads, at least 64)")
     args = ap.parse_args()
     if args.no_done:
         from kvxfer.agent.notices import DoneSender
@@ -164,7 +165,7 @@ def main() -> None:
     shape = SMALL if args.small else SHAPE
     per = args.tokens // shape["block_size"]
     blocks = per * args.batch
-    spec = KVSpec(**shape, num_blocks=max(64, 2 * blocks))
+    spec = KVSpec(**shape, num_blocks=args.num_blocks or max(64, 2 * blocks))
     rng = np.random.default_rng(0)
     src, dst = rng.permutation(spec.num_blocks)[:blocks], rng.permutation(spec.num_blocks)[:blocks]
     warm = 3
