@@ -20,70 +20,18 @@ Run:  .venv/bin/python benchmarks/read_phases.py [--device cuda:0] [--tokens 512
 import argparse
 import multiprocessing as mp
 import statistics
-import threading
 import time
 
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, KVSpec, ReadRequest
+from kvxfer.bench.phases import Timeline
 
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", model="llama-3-8b")
 # --small: the busy-engine bench's cache (16 KiB a block), where a read's bytes cost next to nothing
 SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", model="busy-bench")
 
-# (module, class, method): the steps of a read, wrapped where they exist in this version
-STEPS = [
-    ("kvxfer.agent.core", "Agent", "read_many"),
-    ("kvxfer.agent.submit", "Submissions", "run_lane"),
-    ("kvxfer.agent.reads", "ReadFlow", "_route"),
-    ("kvxfer.agent.reads", "ReadFlow", "_claim"),
-    ("kvxfer.agent.reads", "ReadFlow", "_launch_ipc"),
-    ("kvxfer.agent.reads", "ReadFlow", "_settle"),
-    ("kvxfer.agent.reads", "ReadFlow", "_post_direct_many"),
-    ("kvxfer.agent.claims", "Claims", "answers"),
-    ("kvxfer.engine.paths.kit", "PathKit", "launch_and_record"),
-    ("kvxfer.engine.transfers", "TransferEngine", "grant"),
-    ("kvxfer.engine.transfers", "TransferEngine", "attach"),
-    ("kvxfer.engine.handles", "TransferHandle", "_finish"),
-    ("kvxfer.engine.handles", "TransferHandle", "wait"),
-    ("kvxfer.agent.claims", "Claims", "send_many"),
-    ("kvxfer.engine.transfers", "TransferEngine", "reserve_many"),
-    ("kvxfer.gpu.ops", "PairKernel", "launch"),
-    ("kvxfer.engine.posted", "DirectJob", "__init__"),
-    ("kvxfer.agent.notices", "DoneSender", "_run"),
-    # the caller's share of a step, finer (module functions are wrapped where the caller imports them)
-    ("kvxfer.agent.submit", "Submissions", "_pending_reads"),
-    ("kvxfer.agent.submit", None, "check_block_id_lists"),
-    ("kvxfer.agent.submit", None, "ready_links"),
-    ("kvxfer.agent.reads", "ReadFlow", "start_here"),
-    ("kvxfer.agent.reads", "ReadFlow", "_route_step"),
-    ("kvxfer.agent.reads", "ReadFlow", "_start_tokened"),
-    ("kvxfer.engine.readpaths", "ReadPaths", "launch_ipc"),
-    ("kvxfer.engine.transfers", "TransferEngine", "_succeed"),
-]
 
-EVENTS: list[tuple[float, str, str]] = []
-
-
-def _mark(label: str) -> None:
-    EVENTS.append((time.perf_counter(), threading.current_thread().name, label))
-
-
-def _wrap(module: str, cls: str, name: str) -> None:
-    import importlib
-
-    owner = importlib.import_module(module) if cls is None else getattr(importlib.import_module(module), cls, None)
-    fn = getattr(owner, name, None)
-    if fn is None:
-        return
-
-    def wrapper(*args, **kwargs):
-        _mark(f"{cls or module.rsplit('.', 1)[-1]}.{name} >")
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _mark(f"{cls or module.rsplit('.', 1)[-1]}.{name} <")
-    setattr(owner, name, wrapper)
 
 
 def _cache(spec: KVSpec, device: str, seed: int):
@@ -132,18 +80,6 @@ def _chiller(device: str):
     return chill
 
 
-def _thread(name: str) -> str:
-    if name == "MainThread":
-        return "caller"
-    if name.startswith("kvxfer-peer"):
-        return "lane"
-    if name.startswith("kvxfer-done"):
-        return "done-lane"
-    if name == "kvxfer-consumer":
-        return "progress"
-    return name[:12]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -188,9 +124,7 @@ def main() -> None:
 
         profile = cProfile.Profile()
     cache = _cache(spec, args.device, 2)
-    for step in STEPS:
-        _wrap(*step)
-    offsets: dict[tuple[str, str], list[float]] = {}
+    timeline = Timeline.installed()
     totals, modes = [], set()
     calls: list[tuple[float, float]] = []  # read_many's wall time and the caller thread's CPU time in it
     remote = ("127.0.0.1", args.port)
@@ -203,35 +137,25 @@ def main() -> None:
         for i, step in enumerate(steps):
             if chill is not None:
                 chill()
-            EVENTS.clear()
             requests = [ReadRequest(remote, dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per], rid, timeout=60,
                                     token=held.get(rid))
                         for j, rid in enumerate(step)]
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = timeline.start(), time.thread_time()
             if profile is not None and i >= warm:
                 profile.enable()
             handles = ag.read_many(requests)
             if profile is not None:
                 profile.disable()
-            _mark("read_many returned")
+            timeline.mark("read_many returned")
             call = (time.perf_counter() - t0, time.thread_time() - c0)
             stats = [h.wait(60) for h in handles]
-            _mark("all waits returned")
+            timeline.mark("all waits returned")
             if i < warm:
                 continue
             totals.append(time.perf_counter() - t0)
             calls.append(call)
             modes.update(s.mode + (" by token" if getattr(s, "by_token", False) else "") for s in stats)
-            first: dict = {}
-            last: dict = {}
-            for t, thread, label in EVENTS:
-                key = (label, _thread(thread))
-                first.setdefault(key, t - t0)
-                last[key] = t - t0
-            for key, t in first.items():
-                offsets.setdefault(key, []).append(t)
-                if args.batch > 1 and last[key] != t:  # a step: when the last of them happened too
-                    offsets.setdefault((key[0] + " (last)", key[1]), []).append(last[key])
+            timeline.record(t0, args.batch > 1)
     stop.set()
     proc.join(30)
     mib = spec.block_bytes * 2 * spec.num_layers * blocks / 2**20
@@ -240,9 +164,7 @@ def main() -> None:
           f"{len(totals)} steps; median {med(totals) * 1e3:.3f} ms from the call to every wait returned")
     print(f"  read_many: {med([c[0] for c in calls]) * 1e6:.0f} us wall, {med([c[1] for c in calls]) * 1e6:.0f} us of "
           "the caller thread's CPU time (wall well above CPU: it waited, e.g. for the interpreter)")
-    print(f"  {'us after the call':>18}  {'thread':9} step (> begins, < ends; first occurrence per step, and last)")
-    for (label, thread), times in sorted(offsets.items(), key=lambda kv: med(kv[1])):
-        print(f"  {med(times) * 1e6:18.0f}  {thread:9} {label}  (seen in {len(times)})")
+    print("\n".join(timeline.lines()))
     if profile is not None:
         import pstats
 

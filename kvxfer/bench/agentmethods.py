@@ -8,15 +8,21 @@ starts and waits until each was reported done.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import numpy as np
 
 from kvxfer.bench.methods import DEADLINE, timed_loop
+from kvxfer.bench.phases import Timeline
 from kvxfer.testing import spin_python as spin
 from kvxfer.errors import TransferFailedError, TransferTimeoutError
 
 __all__ = ["CONSUMER", "PREPARE", "PRODUCER"]
+
+#: Seconds between an idle producer's looks at its holds while the consumer reads (untimed).
+IDLE_LOOK = 0.02
 
 
 def _agent_config(options: dict, port: int, host: str = "127.0.0.1", path: str | None = None):
@@ -95,15 +101,28 @@ def agent(w, requests, tokens, iters, warmup, options):
     if held is not None:
         from kvxfer import HoldToken  # noqa: PLC0415
         ag.connect(*remote)  # a handshaken producer: the token reads start at once
+    # KVXFER_BENCH_PHASES=1: the timeline of the timed reads (``kvxfer.bench.phases``), to stderr
+    timeline = Timeline.installed() if os.environ.get("KVXFER_BENCH_PHASES") == "1" else None
+    calls: list[tuple[float, float]] = []
 
     def body(it):
         t0 = time.perf_counter()
         rids = _step_rids(options, it)
         tokens = [HoldToken.from_wire(held[rid]) for rid in rids] if held is not None else None
+        if timeline is not None:
+            t0, c0 = timeline.start(), time.thread_time()
         handles = submit_step(ag, remote, local_ids, remote_ids, rids, tokens)
+        if timeline is not None:
+            timeline.mark("read_many returned")
+            if it >= warmup:  # the call's wall time and this thread's CPU time in it
+                calls.append((time.perf_counter() - t0, time.thread_time() - c0))
         all_stats = [h.wait(DEADLINE) for h in handles]
         w._sync()
         seconds = time.perf_counter() - t0
+        if timeline is not None:
+            timeline.mark("all waits returned")
+            if it >= warmup:
+                timeline.record(t0, batch > 1)
         for stats in all_stats:
             modes.add(stats.mode)
             by_token.append(getattr(stats, "by_token", False))
@@ -115,6 +134,12 @@ def agent(w, requests, tokens, iters, warmup, options):
         return seconds
 
     result = timed_loop(w, iters, warmup, body)
+    if timeline is not None:
+        wall, cpu = (sorted(c[k] for c in calls)[len(calls) // 2] * 1e6 for k in (0, 1))
+        print(f"[phases] {'token' if held is not None else 'claimed'} reads, {batch} a step, {iters} timed steps; "
+              f"the submitting call: {wall:.0f} us wall, {cpu:.0f} us of its thread's CPU (medians)\n"
+              + "\n".join(timeline.lines()), file=sys.stderr, flush=True)
+        timeline.offsets.clear()
     result["modes"] = sorted(modes) + (["by token"] if by_token and all(by_token) else [])
     result["api"] = "read_many" if hasattr(ag, "read_many") else ("read x N" if batch > 1 else "read")
     # medians (warm-up included): before the post (ids, path, claims, tables, launch) and after it
@@ -180,7 +205,10 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
         if options.get("busy"):  # a busy engine: its main thread runs Python while the reads go on
             spin(1e-3)
         else:
-            time.sleep(1e-3)
+            # an idle producer, as raw NIXL's rows have: a look every 1 ms over hundreds of holds
+            # kept its interpreter busy enough to slow the consumer's timed reads on a small host
+            # (a step of 32 small token reads: 5.8-7.8 ms against 4.2-4.4 ms looking every 50 ms)
+            time.sleep(IDLE_LOOK)
     # A staged read's hold can end (its last piece served) a moment before its report is filed:
     # collect reports for a short while before calling a request unreported.
     sent: set = set()
