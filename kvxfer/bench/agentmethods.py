@@ -109,20 +109,20 @@ def agent(w, requests, tokens, iters, warmup, options):
         t0 = time.perf_counter()
         rids = _step_rids(options, it)
         tokens = [HoldToken.from_wire(held[rid]) for rid in rids] if held is not None else None
-        if timeline is not None:
-            t0, c0 = timeline.start(), time.thread_time()
+        if timeline is not None:  # its own clock: the timed seconds stay what they are without it
+            t1, c1 = timeline.start(), time.thread_time()
         handles = submit_step(ag, remote, local_ids, remote_ids, rids, tokens)
         if timeline is not None:
             timeline.mark("read_many returned")
             if it >= warmup:  # the call's wall time and this thread's CPU time in it
-                calls.append((time.perf_counter() - t0, time.thread_time() - c0))
+                calls.append((time.perf_counter() - t1, time.thread_time() - c1))
         all_stats = [h.wait(DEADLINE) for h in handles]
         w._sync()
         seconds = time.perf_counter() - t0
         if timeline is not None:
             timeline.mark("all waits returned")
             if it >= warmup:
-                timeline.record(t0, batch > 1)
+                timeline.record(t1, batch > 1)
         for stats in all_stats:
             modes.add(stats.mode)
             by_token.append(getattr(stats, "by_token", False))
