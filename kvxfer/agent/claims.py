@@ -22,8 +22,8 @@ from typing import Callable
 import numpy as np
 
 from kvxfer.agent.peers import PeerDirectory, PeerLink
-from kvxfer.errors import KvxferError, LeaseExpiredError, ProtocolError
-from kvxfer.protocol import Abort, Claim, ClaimBatch, Grant, Grants, Refuse, pack_id_lists
+from kvxfer.errors import KvxferError, LeaseExpiredError
+from kvxfer.protocol import Abort, Claim, ClaimBatch, Grant, Refuse, pack_id_lists
 from kvxfer.types import AbortOutcome
 
 __all__ = ["Claims"]
@@ -76,7 +76,7 @@ class Claims:
                 claims = made[form] = self._claims(items, form)
             if link.info.batch_claims and len(claims) > 1:
                 try:
-                    shared = _SharedReply(link.send(ClaimBatch(claims), wait), len(claims))
+                    shared = _SharedReply(link.send(ClaimBatch(claims), wait))
                 except KvxferError as exc:
                     for sent in out:
                         sent.append((link, exc))
@@ -105,7 +105,7 @@ class Claims:
             return None
         if not batch:
             return [[(link, pending)]]
-        shared = _SharedReply(pending, len(claims))
+        shared = _SharedReply(pending)
         return [[(link, _NthReply(shared, i))] for i in range(len(claims))]
 
     def _note_lanes(self, items: list, lane: tuple | None) -> None:
@@ -223,8 +223,8 @@ class Claims:
 class _SharedReply:
     """The one answer of a ``ClaimBatch``, taken once and shared by its claims."""
 
-    def __init__(self, pending, count: int) -> None:
-        self._pending, self._count = pending, count
+    def __init__(self, pending) -> None:
+        self._pending = pending
         self._reply = None
         self._lock = threading.Lock()
 
@@ -235,9 +235,8 @@ class _SharedReply:
         reply = self._reply
         if isinstance(reply, (KvxferError, Refuse)):
             return reply  # the whole batch failed or was refused: every claim shares it
-        if not isinstance(reply, Grants) or len(reply.replies) != self._count:
-            return ProtocolError(f"a ClaimBatch of {self._count} claims was answered with "
-                                 f"{len(getattr(reply, 'replies', ()))} replies ({type(reply).__name__})")
+        # a Grants, checked by the session against the batch (``ClientSession.response``): one
+        # reply per claim, in order, each naming its claim's request
         return reply.replies[index]
 
     def ready(self, wait: float = 0.0) -> bool:

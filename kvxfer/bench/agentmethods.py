@@ -9,6 +9,7 @@ starts and waits until each was reported done.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -135,7 +136,7 @@ def agent(w, requests, tokens, iters, warmup, options):
 
     result = timed_loop(w, iters, warmup, body)
     if timeline is not None:
-        wall, cpu = (sorted(c[k] for c in calls)[len(calls) // 2] * 1e6 for k in (0, 1))
+        wall, cpu = (statistics.median(c[k] for c in calls) * 1e6 for k in (0, 1))
         print(f"[phases] {'token' if held is not None else 'claimed'} reads, {batch} a step, {iters} timed steps; "
               f"the submitting call: {wall:.0f} us wall, {cpu:.0f} us of its thread's CPU (medians)\n"
               + "\n".join(timeline.lines()), file=sys.stderr, flush=True)
@@ -205,9 +206,8 @@ def serve_agent(w, consumer, request, tokens, rounds, options):
         if options.get("busy"):  # a busy engine: its main thread runs Python while the reads go on
             spin(1e-3)
         else:
-            # an idle producer, as raw NIXL's rows have: a look every 1 ms over hundreds of holds
-            # kept its interpreter busy enough to slow the consumer's timed reads on a small host
-            # (a step of 32 small token reads: 5.8-7.8 ms against 4.2-4.4 ms looking every 50 ms)
+            # an idle producer, as raw NIXL's rows have: nothing waits on this look, and on a
+            # small host a frequent one competes with the consumer being timed
             time.sleep(IDLE_LOOK)
     # A staged read's hold can end (its last piece served) a moment before its report is filed:
     # collect reports for a short while before calling a request unreported.

@@ -1,6 +1,6 @@
 """A timeline of the read flow across kvxfer's threads, for the benchmarks (layer: bench).
 
-``Timeline.install()`` wraps the steps of a read (``STEPS``, where they exist in this version)
+``Timeline.installed()`` wraps the steps of a read (``STEPS``, where they exist in this version)
 to record when each begins and ends and on which thread (the caller, a lane, the progress loop,
 the done lane). Each wrapper costs about a microsecond. ``benchmarks/read_phases.py`` prints the
 timeline of its own reads; ``kvxfer bench`` prints the one of its ``kvxfer-agent`` and

@@ -15,8 +15,8 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError
 from kvxfer.types import TransferPath
 
-__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "check_coverage", "id_bounds",
-           "check_token_count", "join_requests", "merge_rows"]
+__all__ = ["MapSet", "RequestPlan", "UnpackMap", "check_block_id_lists", "check_block_ids", "check_coverage",
+           "check_token_count", "id_bounds", "join_requests", "merge_rows"]
 
 _U64 = np.uint64
 

@@ -52,18 +52,6 @@ from kvxfer.types import SessionState
 
 __all__ = ["ClientSession", "ServerSession", "reject_error"]
 
-
-def _check_batch_answer(batch: ClaimBatch, answer: Grants) -> None:
-    """A ``Grants`` answers its ``ClaimBatch`` claim by claim, in order: one reply per claim, each
-    naming that claim's request (a grant of another request proves nothing about this one)."""
-    if len(answer.replies) != len(batch.claims):
-        raise ProtocolError(f"a ClaimBatch of {len(batch.claims)} claims was answered with "
-                            f"{len(answer.replies)} replies")
-    for index, (claim, reply) in enumerate(zip(batch.claims, answer.replies)):
-        if reply.request_id != claim.request_id:
-            raise ProtocolError(f"reply {index} of a ClaimBatch: request_id: expected {claim.request_id!r}; "
-                                f"got {reply.request_id!r}")
-
 log = logging.getLogger(__name__)
 
 #: Client: which call is legal in which state (anything else raises ProtocolError).
@@ -104,6 +92,18 @@ def _check_local(codec: Codec, local: PeerInfo) -> None:
         raise ConfigError(f"local PeerInfo has an invalid spec: {exc}") from None
     if got != codec.compat:
         raise ConfigError(f"local spec compat hash: expected {codec.compat[:16]}... (codec); got {got[:16]}...")
+
+
+def _check_batch_answer(batch: ClaimBatch, answer: Grants) -> None:
+    """A ``Grants`` answers its ``ClaimBatch`` claim by claim, in order: one reply per claim, each
+    naming that claim's request (a grant of another request proves nothing about this one)."""
+    if len(answer.replies) != len(batch.claims):
+        raise ProtocolError(f"a ClaimBatch of {len(batch.claims)} claims was answered with "
+                            f"{len(answer.replies)} replies")
+    for index, (claim, reply) in enumerate(zip(batch.claims, answer.replies)):
+        if reply.request_id != claim.request_id:
+            raise ProtocolError(f"reply {index} of a ClaimBatch: request_id: expected {claim.request_id!r}; "
+                                f"got {reply.request_id!r}")
 
 
 class ClientSession:
