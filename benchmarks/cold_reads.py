@@ -10,7 +10,6 @@ Run:  .venv/bin/python benchmarks/cold_reads.py [--reads 30]
 """
 
 import argparse
-import multiprocessing as mp
 import statistics
 import time
 
@@ -27,18 +26,12 @@ def main() -> None:
     ap.add_argument("--reads", type=int, default=30, help="reads per row")
     args = ap.parse_args()
     spec = KVSpec(**busy.SPEC)
-    ctx = mp.get_context("spawn")
-    cmd, out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=busy._producer, args=(cmd, out, free_port_block(1), None, None), daemon=True)
-    proc.start()
-    address, meta, bases = out.get(timeout=120)
-    ask = lambda what: (cmd.put(what), out.get(timeout=60))[1]  # noqa: E731
     cache = busy._cache(spec, 2)
     big_a, big_b = np.zeros(1 << 29, dtype=np.uint8), np.ones(1 << 29, dtype=np.uint8)
     rng = np.random.default_rng(3)
     count = [0]
     config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1))
-    try:
+    with busy.producer_process() as (address, meta, bases, ask):
         with Agent("cold-consumer", spec, config) as agent:
             agent.register(cache)
             raw = busy._Raw(agent, meta, bases)
@@ -72,11 +65,6 @@ def main() -> None:
                     times = [fn(cold) for _ in range(args.reads)]
                     print(f"{'cold' if cold else 'warm'} {name:9s} p50 {statistics.median(times) * 1e3:.3f} ms")
             raw.close()
-    finally:
-        cmd.put("stop")
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
 
 
 if __name__ == "__main__":

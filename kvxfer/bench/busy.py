@@ -27,6 +27,7 @@ from (warm): first contact is ``kvxfer bench --two-hosts``'s rows.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import statistics
@@ -38,7 +39,7 @@ import numpy as np
 from kvxfer.layout.spec import KVSpec
 from kvxfer.testing import spin_python
 
-__all__ = ["run_busy"]
+__all__ = ["producer_process", "run_busy"]
 
 SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=256, dtype="bfloat16",
             model="busy-bench")
@@ -172,6 +173,27 @@ def _has_poll(agent) -> bool:
     return callable(getattr(agent, "poll", None))
 
 
+@contextlib.contextmanager
+def producer_process(progress_thread: bool | None = None, switch_interval: float | None = None):
+    """The producer process (``_producer``), started and, on leaving, stopped; yields
+    ``(address, raw NIXL metadata, cache bases, ask)``, ``ask(command)`` returning its answer."""
+    from kvxfer.testing import free_port_block  # noqa: PLC0415
+
+    ctx = mp.get_context("spawn")
+    cmd, out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_producer, args=(cmd, out, free_port_block(1), progress_thread, switch_interval),
+                       daemon=True)
+    proc.start()
+    try:
+        address, meta, bases = out.get(timeout=120)
+        yield address, meta, bases, lambda what: (cmd.put(what), out.get(timeout=60))[1]
+    finally:
+        cmd.put("stop")
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+
+
 def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progress=print,
              progress_thread: bool | None = None, switch_interval: float | None = None) -> dict:
     """Measure (see the module doc); returns ``{"rows": [...], "spec": ...}``. Raises
@@ -182,15 +204,8 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
     from kvxfer.testing import free_port_block  # noqa: PLC0415
 
     spec = KVSpec(**SPEC)
-    ctx = mp.get_context("spawn")
-    cmd, out = ctx.Queue(), ctx.Queue()
-    port = free_port_block(1)
-    proc = ctx.Process(target=_producer, args=(cmd, out, port, progress_thread, switch_interval), daemon=True)
-    proc.start()
     rows: list[dict] = []
-    try:
-        address, meta, bases = out.get(timeout=120)
-        ask = lambda what: (cmd.put(what), out.get(timeout=60))[1]  # noqa: E731
+    with producer_process(progress_thread, switch_interval) as (address, meta, bases, ask):
         cache = _cache(spec, 2)
         config = AgentConfig(side_channel_host="127.0.0.1", side_channel_port=free_port_block(1),
                              nixl_progress_thread=progress_thread, switch_interval=switch_interval)
@@ -278,11 +293,6 @@ def run_busy(reads: int = 20, duties: tuple[float, ...] = (0.0, 0.5, 1.0), progr
                 progress(f"[busy] stepping consumer, {name}: done at step {rows[-1]['steps_p50']} (p50), "
                          f"{rows[-1]['p50_ms']:.2f} ms")
             raw.close()
-    finally:
-        cmd.put("stop")
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
     idle = {r["method"]: r["p50_ms"] for r in rows if r["case"] == "producer 0% busy"}
     for r in rows:
         if r["case"].startswith("producer"):
