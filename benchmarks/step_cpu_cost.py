@@ -1,5 +1,6 @@
 """What a step of token reads costs the caller's interpreter: CPU time inside ``read_many`` and
-inside the waits, per step, on the CPU host (issue 34, rule 4: a step as arrays).
+inside the waits, per step, on the CPU host (issue 34, rule 4: a step as arrays), and what the
+interpreter's cycle collector spends in this process over the same steps.
 
 Two processes (producer spawned), the busy-engine bench's small cache (16 KiB a block), so that
 the bytes cost next to nothing and what is measured is kvxfer's Python around them (and NIXL's
@@ -13,6 +14,7 @@ Run:  .venv/bin/python benchmarks/step_cpu_cost.py [--batch 32] [--blocks 4] [--
 """
 
 import argparse
+import gc
 import multiprocessing as mp
 import statistics
 import time
@@ -23,6 +25,26 @@ from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
 from read_phases import SMALL, _cache, producer  # the same producer (this directory is on sys.path)
 
 WARM = 20
+
+
+class Collector:
+    """The cycle collector's passes in this process while ``on``: count and time by generation."""
+
+    def __init__(self) -> None:
+        self.passes: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.on, self._t0 = False, 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.on:
+            self.passes[info["generation"]].append(time.perf_counter() - self._t0)
+
+    def line(self, steps: int) -> str:
+        total = sum(sum(t) for t in self.passes.values())
+        each = ", ".join(f"gen{g} {len(t)} x {statistics.mean(t) * 1e6:.0f} us" for g, t in self.passes.items() if t)
+        return f"the cycle collector: {total * 1e3:.1f} ms over {steps} steps ({total / steps * 1e6:.0f} us a step; {each or 'no pass'})"
 
 
 def main() -> None:
@@ -60,6 +82,7 @@ def main() -> None:
     cache = [np.zeros(s, dtype=np.uint16) for s in spec.tensor_shapes()]
     held = _cache(spec, "cpu", 1)  # the producer's bytes (its cache is made from this seed)
     remote = ("127.0.0.1", args.port)
+    collector = Collector()
     in_call, in_waits, walls = [], [], []
     with Agent("consumer", spec, AgentConfig.from_env(side_channel_host="127.0.0.1",
                                                       side_channel_port=args.port + 1)) as ag:
@@ -73,6 +96,7 @@ def main() -> None:
                 k += 1
                 requests.append(ReadRequest(remote, dst, src, rid, timeout=30, token=HoldToken.from_wire(wires[rid])))
             timed = i >= WARM
+            collector.on = timed
             if profile is not None and timed and not args.prof_wait:
                 profile.enable()
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -98,8 +122,10 @@ def main() -> None:
     stop.set()
     proc.join(10)
     med = statistics.median
-    print(f"{args.batch} token reads x {per} blocks a step: read_many {med(in_call) * 1e6:.0f} us of the caller's CPU, "
+    print(f"{args.batch} token reads x {per} blocks a step: read_many {med(in_call) * 1e6:.0f} us of the caller's CPU "
+          f"(mean {statistics.mean(in_call) * 1e6:.0f}), "
           f"the waits {med(in_waits) * 1e6:.0f} us, call to last wait {med(walls) * 1e6:.0f} us (medians of {args.n})")
+    print(collector.line(args.n))
     if profile is not None:
         import pstats
 

@@ -216,6 +216,14 @@ def _give_up_look(req: _Request) -> None:
             log.debug("request %r: giving up its look failed", req.handle.request_id, exc_info=True)
 
 
+def _let_go(req: _Request) -> None:
+    """Drop what a completed request holds of its step (its group, its claim's driver, its
+    success callback): each refers back to the request, and a cycle of a step's objects is freed
+    only by the interpreter's cycle collector, whose pauses then grow with every step (issue 34,
+    rule 4)."""
+    req.group = req.advance = req.on_success = None
+
+
 def _fresh(req: _Request, now: float) -> bool:
     """Whether the background driver leaves ``req`` to its caller's polls at ``now`` (live and
     submitted less than ``CALLER_GRACE`` ago; a failed one it drains at once)."""
@@ -681,9 +689,10 @@ class TransferEngine:
                 return None
         if not req.posted or not req.granted:
             return False
+        group = req.group  # let go of once it completes (``_complete``)
         self._poll_once(req)
-        if req.finished and req.group:
-            self._poll_group(req.group)
+        if req.finished and group:
+            self._poll_group(group)
         return True
 
     def _poll_group(self, group: list[_Request]) -> None:
@@ -888,6 +897,7 @@ class TransferEngine:
             except Exception:  # noqa: BLE001
                 log.exception("request %r: on_success raised", req.handle.request_id)
         req.handle._finish(stats=req.stats)
+        _let_go(req)
 
     def _overdue(self, req: _Request) -> bool:
         """Past its deadline and the drain's grace, and not ended: nothing may hold its handle any longer."""
