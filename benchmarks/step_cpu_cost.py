@@ -10,7 +10,10 @@ handle. Prints medians over the timed steps; ``--prof`` adds a cProfile of the w
 the waits only with ``--prof-wait``): its call count per step is a steady measure of the
 per-request Python where the host's timing is noisy.
 
-Run:  .venv/bin/python benchmarks/step_cpu_cost.py [--batch 32] [--blocks 4] [--n 200] [--prof | --prof-wait]
+``--device cuda:0`` measures the same on one GPU (both processes on it: the CUDA IPC kernel
+path, issue 34's "the caller's time inside ``read_many`` <= 10 us per request").
+
+Run:  .venv/bin/python benchmarks/step_cpu_cost.py [--device cuda:0] [--batch 32] [--blocks 4] [--n 200] [--prof | --prof-wait]
 """
 
 import argparse
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="blocks per read")
     ap.add_argument("--n", type=int, default=200, help="timed steps")
     ap.add_argument("--port", type=int, default=6150)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda:N (both processes on it: the IPC kernel path)")
     ap.add_argument("--prof", action="store_true", help="cProfile the timed steps")
     ap.add_argument("--prof-wait", action="store_true", help="cProfile the waits only")
     ap.add_argument("--sort", default="tottime", help="the profile's order (tottime, cumulative, ncalls)")
@@ -69,7 +73,7 @@ def main() -> None:
             reads.append((dst[j * per:(j + 1) * per], src[j * per:(j + 1) * per]))
     ctx = mp.get_context("spawn")
     ready, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=producer, args=(spec, "cpu", args.port, holds, ready, stop, queue), daemon=True)
+    proc = ctx.Process(target=producer, args=(spec, args.device, args.port, holds, ready, stop, queue), daemon=True)
     proc.start()
     wires = queue.get(timeout=300)
     if not ready.wait(300):
@@ -79,8 +83,9 @@ def main() -> None:
         import cProfile
 
         profile = cProfile.Profile()
-    cache = [np.zeros(s, dtype=np.uint16) for s in spec.tensor_shapes()]
-    held = _cache(spec, "cpu", 1)  # the producer's bytes (its cache is made from this seed)
+    held = _cache(spec, args.device, 1)  # the producer's bytes (its cache is made from this seed)
+    cache = [c.clone().zero_() if hasattr(c, "clone") else np.zeros_like(c) for c in held]
+    index = np.asarray if args.device == "cpu" else (lambda ids: __import__("torch").as_tensor(ids, device=args.device))
     remote = ("127.0.0.1", args.port)
     collector = Collector()
     in_call, in_waits, walls = [], [], []
@@ -113,16 +118,16 @@ def main() -> None:
                 in_call.append(c1 - c0)
                 in_waits.append(c2 - c1)
                 walls.append(t2 - t0)
-            landed = np.concatenate([reads[j][0] for j in range(k - len(step), k)])
-            source = np.concatenate([reads[j][1] for j in range(k - len(step), k)])
-            if not all(np.array_equal(c[:, landed], h[:, source]) for c, h in zip(cache, held)):  # (K/V, blocks, ...)
+            landed = index(np.concatenate([reads[j][0] for j in range(k - len(step), k)]))
+            source = index(np.concatenate([reads[j][1] for j in range(k - len(step), k)]))
+            if not all(bool((c[:, landed] == h[:, source]).all()) for c, h in zip(cache, held)):  # (K/V, blocks, ...)
                 raise SystemExit(f"step {i}: a read's bytes differ from the producer's")
             for c in cache:
                 c[:, landed] = 0  # the next step that lands there must write it again
     stop.set()
     proc.join(10)
     med = statistics.median
-    print(f"{args.batch} token reads x {per} blocks a step: read_many {med(in_call) * 1e6:.0f} us of the caller's CPU "
+    print(f"{args.device}: {args.batch} token reads x {per} blocks a step: read_many {med(in_call) * 1e6:.0f} us of the caller's CPU "
           f"(mean {statistics.mean(in_call) * 1e6:.0f}), "
           f"the waits {med(in_waits) * 1e6:.0f} us, call to last wait {med(walls) * 1e6:.0f} us (medians of {args.n})")
     print(collector.line(args.n))
