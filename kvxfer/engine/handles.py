@@ -239,6 +239,7 @@ class TransferHandle:
                     break
                 time.sleep(0)
         finally:
+            poke = None  # the poll (it holds the engine's request): no frame of a raise keeps it
             if spin_until is not None:
                 with self._lock:
                     self._watched -= 1
@@ -252,7 +253,14 @@ class TransferHandle:
                               "out: the transfer goes on until its own deadline)",
                               request_id=self.request_id, timeout=timeout)
         if self._error is not None:
-            raise self._error
+            # The traceback keeps this frame: it lets go of the handle, which keeps the error, so a
+            # failed read is no cycle left to the interpreter's collector once its caller drops the
+            # handle (``concurrent.futures`` does the same).
+            error, self = self._error, None
+            try:
+                raise error
+            finally:
+                error = None  # nor the error itself (error -> traceback -> this frame -> error)
         assert self._stats is not None  # set together with the event (internal invariant)
         return self._stats
 
@@ -260,7 +268,11 @@ class TransferHandle:
         if self.done():  # polls the request once: a finished one needs no trip through the loop
 
             if self._error is not None:
-                raise self._error
+                error, self = self._error, None  # as in ``wait``
+                try:
+                    raise error
+                finally:
+                    error = None
             return self._stats
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()

@@ -5,14 +5,16 @@ launch group, a claim's driver and a success callback each referred back to the 
 engine embedding kvxfer paid collector passes that grew with its steps: 1.4 ms a generation-1
 pass on the CPU host, against 0.1 ms once a completed request lets go of them. Over real NIXL and
 ZMQ between two processes, with the collector off while the reads run: claimed and token reads,
-alone and as a step, byte-exact, then the garbage the collector finds holds no kvxfer object.
+alone and as a step, byte-exact, and a step aborted by its consumer, then the garbage the
+collector finds holds no kvxfer object. (A read failed by an error raised inside kvxfer, such as
+a refused claim, may still leave its error's traceback in a cycle.)
 """
 
 import gc
 
 import numpy as np
 
-from kvxfer import Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
+from kvxfer import AbortedError, Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
 
 from kvxfer.testing import ProducerProcess
 
@@ -22,7 +24,8 @@ SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, num_blocks
             dtype="bfloat16", model="cycles")
 # request id -> the producer's blocks: a warm-up read, then claimed and token reads, alone and as steps
 HOLDS = {"warm": [0, 1], "c1": [2, 3], **{f"c{i}": [2 * i, 2 * i + 1] for i in range(2, 6)},
-         "t1": [12, 13], **{f"t{i}": [2 * i + 10, 2 * i + 11] for i in range(2, 6)}}
+         "t1": [12, 13], **{f"t{i}": [2 * i + 10, 2 * i + 11] for i in range(2, 6)},
+         **{f"a{i}": [2 * i + 20, 2 * i + 21] for i in range(2, 6)}}
 
 
 def _collector_off(agent) -> bool:
@@ -93,7 +96,21 @@ def test_completed_reads_leave_no_kvxfer_object_to_the_cycle_collector(producers
                 for rr in step:
                     for layer in range(spec.num_layers):
                         np.testing.assert_array_equal(cache[layer][:, rr.local_blocks], src[layer][:, rr.remote_blocks])
-            del step, handle
+            aborted = [request(f"a{i}") for i in range(2, 6)]
+            handles = agent.read_many(aborted)
+            for rr in aborted:  # the engine gives up on them: each fails typed (or had landed whole)
+                agent.abort(rr.request_id, remote=prod.address)
+            landed = set()
+            for rr, handle in zip(aborted, handles):
+                try:
+                    handle.wait(30)
+                except AbortedError:
+                    continue
+                landed.add(rr.request_id)
+                for layer in range(spec.num_layers):
+                    np.testing.assert_array_equal(cache[layer][:, rr.local_blocks], src[layer][:, rr.remote_blocks])
+            del step, handle, handles
+            assert set(agent.finished().failed) == {rr.request_id for rr in aborted} - landed  # as an engine drains it
             consumer_garbage = kvxfer_garbage()
         finally:
             gc.enable()
