@@ -7,11 +7,13 @@ transport=MemoryTransport(network))``; see ``kvxfer.transport.memory``). ``free_
 free side-channel ports; ``logical_kv`` and ``expected_read`` are a
 tensor-level oracle for split-storage caches (what a read must leave in the consumer's blocks).
 ``ProducerProcess`` and ``serve_commands`` run a producer rank in a spawned process that a test
-drives through two queues.
+drives through two queues. ``collector_off`` and ``cycle_garbage`` tell whether what ran between
+them left kvxfer objects that only Python's cycle collector would free.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import queue
 import random
@@ -25,8 +27,36 @@ from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.layout import KVSpec
 from kvxfer.transport.memory import MemoryNetwork, MemoryTransport
 
-__all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "ProducerProcess", "expected_read",
-           "free_port_block", "logical_kv", "run_reporting", "serve_commands", "wait_for"]
+__all__ = ["FakeBackend", "FakeWorld", "MemoryNetwork", "MemoryTransport", "ProducerProcess", "collector_off",
+           "cycle_garbage", "expected_read", "free_port_block", "logical_kv", "run_reporting", "serve_commands",
+           "wait_for"]
+
+
+def collector_off() -> bool:
+    """Collect once, then turn Python's cycle collector off (in this process) until
+    ``cycle_garbage``: what becomes unreachable meanwhile stays for it to find. Returns True."""
+    gc.collect()
+    gc.disable()
+    return True
+
+
+def cycle_garbage(prefix: str = "kvxfer") -> dict[str, int]:
+    """The objects of modules under ``prefix`` that the cycle collector finds unreachable (which
+    reference counting never freed: they sit in cycles), counted by type name; the collector is
+    on again afterwards and they are freed."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found: dict[str, int] = {}
+        for obj in gc.garbage:
+            kind = type(obj)
+            if str(kind.__module__).startswith(prefix):
+                found[kind.__qualname__] = found.get(kind.__qualname__, 0) + 1
+        return found
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
 
 
 def spin_python(seconds: float) -> int:

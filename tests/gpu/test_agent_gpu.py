@@ -199,3 +199,35 @@ def test_read_many_gpu_batch_is_exact_per_request_and_a_refused_claim_fails_alon
     others = [b for b in range(spec.num_blocks) if b not in set(C_IDS)]
     np.testing.assert_array_equal(logical(spec, got, others), logical(spec, host_cache(spec, 99), others))
     assert _poll(lambda: producers[0].ask("holding"), []) == []
+
+
+def test_completed_ipc_reads_leave_nothing_to_the_cycle_collector(producers, cuda):
+    """The kernel path's reads, alone and as a step (one launch, its requests grouped), leave no
+    kvxfer object that only the cycle collector would free (tests/integration/test_no_cycles_nixl.py
+    shows the same over NIXL)."""
+    import gc
+
+    from kvxfer import KVSpec, ReadRequest
+    from kvxfer.testing import collector_off, cycle_garbage
+
+    spec = KVSpec(**COMMON)
+    src = {f"r{i}": P_IDS[2 * i:2 * i + 2] for i in range(6)}
+    dst = {f"r{i}": C_IDS[2 * i:2 * i + 2] for i in range(6)}
+    producers.append(GpuProducer(spec, 10, free_port_block(), 0, src, **SMALL))
+    cons, cache = _consumer(spec, "ipc")
+    with cons:
+        assert cons.read(producers[0].address, dst["r0"], src["r0"], "r0").wait(120).mode == "ipc"
+        collector_off()
+        try:
+            for step in (["r1"], ["r2", "r3", "r4", "r5"]):
+                for handle in cons.read_many([ReadRequest(producers[0].address, dst[r], src[r], r, timeout=60)
+                                              for r in step]):
+                    handle.wait(120)
+            del handle
+            cons.finished()  # as an engine drains it each step
+            garbage = cycle_garbage()
+        finally:
+            gc.enable()
+        got = _host(cache)
+    np.testing.assert_array_equal(logical(spec, got, C_IDS), logical(spec, host_cache(spec, 10), P_IDS))
+    assert garbage == {}, f"completed IPC reads left cycles: {garbage}"

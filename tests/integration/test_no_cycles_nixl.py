@@ -16,7 +16,7 @@ import numpy as np
 
 from kvxfer import AbortedError, Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
 
-from kvxfer.testing import ProducerProcess
+from kvxfer.testing import ProducerProcess, collector_off, cycle_garbage
 
 from nixl_peers import cache_for, free_port_block, spec_kwargs
 
@@ -26,30 +26,6 @@ SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, num_blocks
 HOLDS = {"warm": [0, 1], "c1": [2, 3], **{f"c{i}": [2 * i, 2 * i + 1] for i in range(2, 6)},
          "t1": [12, 13], **{f"t{i}": [2 * i + 10, 2 * i + 11] for i in range(2, 6)},
          **{f"a{i}": [2 * i + 20, 2 * i + 21] for i in range(2, 6)}}
-
-
-def _collector_off(agent) -> bool:
-    gc.collect()
-    gc.disable()
-    return True
-
-
-def kvxfer_garbage() -> dict[str, int]:
-    """The kvxfer objects the collector finds unreachable since ``_collector_off`` (which the
-    collector, not reference counting, would have freed), by type; the collector is on again after."""
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-        found: dict[str, int] = {}
-        for obj in gc.garbage:
-            kind = type(obj)
-            if kind.__module__.startswith("kvxfer"):
-                found[kind.__qualname__] = found.get(kind.__qualname__, 0) + 1
-        return found
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
 
 
 def _producer(cmd, out, spec_kw: dict, port: int) -> None:
@@ -62,8 +38,8 @@ def _producer(cmd, out, spec_kw: dict, port: int) -> None:
         agent.listen()
         serve_commands(agent, HOLDS, cmd, out, timeout=120, extra={
             "tokens": lambda a: {rid: a.hold_token(rid).wire() for rid in HOLDS if rid.startswith("t")},
-            "collector_off": _collector_off,
-            "garbage": lambda a: kvxfer_garbage(),
+            "collector_off": lambda a: collector_off(),
+            "garbage": lambda a: cycle_garbage(),
         })
 
 
@@ -86,7 +62,7 @@ def test_completed_reads_leave_no_kvxfer_object_to_the_cycle_collector(producers
 
         agent.read_many([request("warm")])[0].wait(30)  # the handshake, NIXL's first post: not measured
         assert prod.ask("collector_off") is True
-        _collector_off(agent)
+        collector_off()
         try:
             steps = [[request("c1")], [request(f"c{i}") for i in range(2, 6)],
                      [request("t1", token=True)], [request(f"t{i}", token=True) for i in range(2, 6)]]
@@ -111,7 +87,7 @@ def test_completed_reads_leave_no_kvxfer_object_to_the_cycle_collector(producers
                     np.testing.assert_array_equal(cache[layer][:, rr.local_blocks], src[layer][:, rr.remote_blocks])
             del step, handle, handles
             assert set(agent.finished().failed) == {rr.request_id for rr in aborted} - landed  # as an engine drains it
-            consumer_garbage = kvxfer_garbage()
+            consumer_garbage = cycle_garbage()
         finally:
             gc.enable()
         assert consumer_garbage == {}, f"the consumer's completed reads left cycles: {consumer_garbage}"
