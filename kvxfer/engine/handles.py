@@ -253,10 +253,12 @@ class TransferHandle:
                               "out: the transfer goes on until its own deadline)",
                               request_id=self.request_id, timeout=timeout)
         if self._error is not None:
-            # The traceback keeps this frame: it lets go of the handle, which keeps the error, so a
+            # Raised afresh each time: the traceback starts here, so repeated waits do not grow it,
+            # and frames of kvxfer's own threads that met the error (which may refer back to the
+            # request) are let go. This frame lets go of the handle, which keeps the error, so a
             # failed read is no cycle left to the interpreter's collector once its caller drops the
-            # handle (``concurrent.futures`` does the same).
-            error, self = self._error, None
+            # handle (as ``concurrent.futures`` does).
+            error, self = self._error.with_traceback(None), None
             try:
                 raise error
             finally:
@@ -268,7 +270,7 @@ class TransferHandle:
         if self.done():  # polls the request once: a finished one needs no trip through the loop
 
             if self._error is not None:
-                error, self = self._error, None  # as in ``wait``
+                error, self = self._error.with_traceback(None), None  # as in ``wait``
                 try:
                     raise error
                 finally:

@@ -5,17 +5,18 @@ launch group, a claim's driver and a success callback each referred back to the 
 engine embedding kvxfer paid collector passes that grew with its steps: 1.4 ms a generation-1
 pass on the CPU host, against 0.1 ms once a completed request lets go of them. Over real NIXL and
 ZMQ between two processes, with the collector off while the reads run: claimed and token reads,
-alone and as a step, byte-exact, and a step aborted by its consumer, then the garbage the
-collector finds holds no kvxfer object. (A read failed by an error raised inside kvxfer, such as
-a refused claim, may still leave its error's traceback in a cycle.)
+alone and as a step, byte-exact, a step aborted by its consumer and a read the producer refuses,
+then (``finished()`` drained, as an engine does) the garbage the collector finds holds no kvxfer
+object.
 """
 
 import gc
+import time
 
 import numpy as np
+import pytest
 
-from kvxfer import AbortedError, Agent, AgentConfig, HoldToken, KVSpec, ReadRequest
-
+from kvxfer import AbortedError, Agent, AgentConfig, HoldToken, KVSpec, LeaseExpiredError, ReadRequest
 from kvxfer.testing import ProducerProcess, collector_off, cycle_garbage
 
 from nixl_peers import cache_for, free_port_block, spec_kwargs
@@ -85,8 +86,13 @@ def test_completed_reads_leave_no_kvxfer_object_to_the_cycle_collector(producers
                 landed.add(rr.request_id)
                 for layer in range(spec.num_layers):
                     np.testing.assert_array_equal(cache[layer][:, rr.local_blocks], src[layer][:, rr.remote_blocks])
+            refused = request("c1")  # released by now (its read is done): the producer refuses the claim
+            refused = ReadRequest(refused.remote, refused.local_blocks, [60, 61], "never-held", timeout=20)
+            with pytest.raises(LeaseExpiredError):
+                agent.read_many([refused])[0].wait(30)
             del step, handle, handles
-            assert set(agent.finished().failed) == {rr.request_id for rr in aborted} - landed  # as an engine drains it
+            assert set(agent.finished().failed) == {rr.request_id for rr in aborted} - landed | {"never-held"}
+            time.sleep(0.3)  # kvxfer's threads let go of what their last pass held (else it is not garbage yet)
             consumer_garbage = cycle_garbage()
         finally:
             gc.enable()
