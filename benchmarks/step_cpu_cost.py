@@ -21,6 +21,7 @@ import gc
 import multiprocessing as mp
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 
@@ -85,7 +86,11 @@ def main() -> None:
         profile = cProfile.Profile()
     held = _cache(spec, args.device, 1)  # the producer's bytes (its cache is made from this seed)
     cache = [c.clone().zero_() if hasattr(c, "clone") else np.zeros_like(c) for c in held]
-    index = np.asarray if args.device == "cpu" else (lambda ids: __import__("torch").as_tensor(ids, device=args.device))
+    index = np.asarray  # a step's ids, as the caches index them (a device tensor on the GPU)
+    if args.device != "cpu":
+        import torch
+
+        index = partial(torch.as_tensor, device=args.device)
     remote = ("127.0.0.1", args.port)
     collector = Collector()
     in_call, in_waits, walls = [], [], []
