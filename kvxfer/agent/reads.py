@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvxfer.engine.lifecycle import LIVE
 from kvxfer.engine.readpaths import StepRead
 from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError, TransferTimeoutError
 from kvxfer.layout import notify_ranks, peer_ranks
@@ -88,7 +89,8 @@ class PendingRead:
 
     @property
     def live(self) -> bool:
-        return not self.req.finished and self.req.error is None
+        """Neither failed nor ended: it may still succeed."""
+        return self.req.phase in LIVE
 
     @property
     def note(self) -> bytes:

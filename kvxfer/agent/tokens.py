@@ -151,6 +151,17 @@ class Verifier:
                 return LOOKING
         return LeaseExpiredError(f"request {self._request_id!r}: {why}") if why else None
 
+    def many(self, verifiers: list) -> list | None:
+        """The looks of ``verifiers`` (a step's, this one among them) at once, where each maps the
+        same table on this host as this one (one gather of their slots: ``WordView.check_many``);
+        each result as ``__call__`` returns it. None where they do not: each then looks on its own."""
+        view = self._view
+        if self._look is not None or any(type(v) is not Verifier or v._view is not view for v in verifiers):
+            return None
+        whys = view.check_many([v._token for v in verifiers])
+        return [LeaseExpiredError(f"request {v._request_id!r}: {why}") if why else None
+                for v, why in zip(verifiers, whys)]
+
     def cancel(self) -> None:
         if self._look is not None:
             with self._lock:

@@ -32,15 +32,17 @@ __all__ = ["HoldWords", "TokenBook", "WordView", "hold_tag", "sweep_stale", "DEF
 DEFAULT_SLOTS = 65_536
 
 _DIR = "/dev/shm"
+_INT64 = np.dtype(np.int64)
 
 
 def hold_tag(request_id: str, block_ids) -> int:
     """``blake2b(request id, block ids as int64)`` as a uint64: what a token's tag must equal for
     a read of ``block_ids`` of ``request_id`` (the ids in the order ``hold`` got them)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(request_id.encode("utf-8", "surrogatepass"))
+    h = hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=8)
     h.update(b"\0")
-    h.update(np.ascontiguousarray(np.asarray(block_ids, dtype=np.int64).reshape(-1)).tobytes())
+    if type(block_ids) is not np.ndarray or block_ids.dtype != _INT64 or not block_ids.flags.c_contiguous:
+        block_ids = np.ascontiguousarray(np.asarray(block_ids, dtype=np.int64).reshape(-1))
+    h.update(block_ids)  # its bytes, as a buffer (a read's checked ids are int64 already: no copy)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -279,8 +281,28 @@ class WordView:
             return f"hold token slot {token.slot} is past the producer's table ({self.slots} slots)"
         epoch = int(self.array[token.slot, 0])   # the epoch first: a retire stores 0 there
         tag = int(self.array[token.slot, 1])
-        if epoch != token.epoch or tag != token.tag:
-            now = "no hold" if epoch == 0 else f"a later hold (epoch {epoch})"
-            return (f"the producer's hold ended before the read's move completed (its slot {token.slot} now "
-                    f"holds {now}; the token had epoch {token.epoch})")
-        return ""
+        return _why(token, epoch, tag)
+
+    def check_many(self, tokens: list) -> list[str]:
+        """``check`` of many tokens at once (a step's reads): one gather of their slots' epochs,
+        then one of their tags; "" or why not, per token."""
+        slots = np.fromiter((t.slot for t in tokens), dtype=np.int64, count=len(tokens))
+        if not slots.size or int(slots.max()) >= self.slots:
+            return [self.check(t) for t in tokens]  # (a slot past the table: named one by one)
+        epochs = self.array[slots, 0]   # the epochs first, as ``check`` reads them
+        tags = self.array[slots, 1]
+        want = np.fromiter((t.epoch for t in tokens), dtype=np.uint64, count=len(tokens))
+        wrong = want != epochs
+        wrong |= np.fromiter((t.tag for t in tokens), dtype=np.uint64, count=len(tokens)) != tags
+        if not wrong.any():
+            return [""] * len(tokens)
+        return [_why(t, int(e), int(g)) if bad else "" for t, e, g, bad in zip(tokens, epochs, tags, wrong.tolist())]
+
+
+def _why(token: HoldToken, epoch: int, tag: int) -> str:
+    """"" when the word read (``epoch``, ``tag``) is ``token``'s, else why the read fails."""
+    if epoch != token.epoch or tag != token.tag:
+        now = "no hold" if epoch == 0 else f"a later hold (epoch {epoch})"
+        return (f"the producer's hold ended before the read's move completed (its slot {token.slot} now "
+                f"holds {now}; the token had epoch {token.epoch})")
+    return ""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ATTACHED", "ENDED", "Event", "GRANTED", "Phase", "TRANSITIONS", "advance", "live"]
+__all__ = ["ATTACHED", "ENDED", "Event", "GRANTED", "LIVE", "Phase", "TRANSITIONS", "advance", "live"]
 
 
 class Phase(enum.Enum):
@@ -80,6 +80,8 @@ TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
     (Phase.QUARANTINED, Event.RECLAIM): Phase.RECLAIMED,
 }
 
+#: Phases in which the request may still succeed (``live``).
+LIVE = frozenset(_LIVE)
 #: Phases in which the request's handle has completed.
 ENDED = frozenset({Phase.DONE, Phase.FAILED, Phase.QUARANTINED, Phase.RECLAIMED})
 #: Phases in which the request's producers granted it.
@@ -98,4 +100,4 @@ def advance(phase: Phase, event: Event) -> Phase:
 
 def live(phase: Phase) -> bool:
     """Whether the request may still succeed (neither failed nor ended)."""
-    return phase in _LIVE
+    return phase in LIVE

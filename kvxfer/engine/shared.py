@@ -89,7 +89,8 @@ class _Member:
         self.moves_itself = bool(getattr(shared._job, "moves_itself", False))
 
     def poll(self) -> bool:
-        return self._shared.poll()
+        shared = self._shared
+        return shared._done or shared.poll()  # once the job is done it stays done: no lock to look
 
     def cancel(self) -> bool:
         if not self._left:

@@ -191,10 +191,18 @@ class _Request:
         return self.phase
 
     def count_parts(self) -> None:
-        self.stats.num_bytes = sum(int(p.job.num_bytes if p.job else p.plan.num_bytes) for p in self.parts)
-        self.stats.descriptors = sum(int(p.job.descriptors if p.job else p.plan.local.shape[0])
-                                     for p in self.parts)
-        self.stats.peers = len({p.peer for p in self.parts})
+        num_bytes = descriptors = 0
+        peers = set()
+        for p in self.parts:
+            if p.job:
+                num_bytes += int(p.job.num_bytes)
+                descriptors += int(p.job.descriptors)
+            else:
+                num_bytes += int(p.plan.num_bytes)
+                descriptors += int(p.plan.local.shape[0])
+            peers.add(p.peer)
+        stats = self.stats
+        stats.num_bytes, stats.descriptors, stats.peers = num_bytes, descriptors, len(peers)
 
 
 @dataclass(frozen=True)
@@ -462,8 +470,11 @@ class TransferEngine:
         group = list(reqs)
         now = time.perf_counter()
         for req, req_parts, setup in zip(reqs, parts, setup_seconds):
-            if not req_parts or any(p.job is None for p in req_parts):
-                raise ValueError("attach_step takes running parts only (use attach)")
+            moves_itself = True
+            for p in req_parts or (None,):
+                if p is None or p.job is None:
+                    raise ValueError("attach_step takes running parts only (use attach)")
+                moves_itself = moves_itself and getattr(p.job, "moves_itself", False)
             with req.lock:
                 if req.phase is Phase.QUARANTINED or req.finished:
                     pass  # ended under its poster: ``_attach_running`` keeps or stops its parts, below
@@ -472,7 +483,7 @@ class TransferEngine:
                     req.mode = req.stats.mode = mode
                     req.count_parts()
                     req.stats.setup_seconds = setup
-                    req.self_moving = all(getattr(p.job, "moves_itself", False) for p in req_parts)
+                    req.self_moving = bool(moves_itself)
                     with self._lock:
                         req.move(Event.ATTACH)
                         if grant and lifecycle.live(req.phase):
@@ -793,12 +804,15 @@ class TransferEngine:
     def _poll(self, req: _Request) -> bool:
         """Poll ``req``'s parts (its lock held). True: every part landed in its window and it is
         granted: the caller succeeds it (``_succeed``) once the lock is released."""
-        succeed = False
+        succeed, all_done = False, True
         for part in req.parts:
-            if not part.done and part.job.poll():
-                part.done = True
+            if not part.done:
+                if part.job.poll():
+                    part.done = True
+                else:
+                    all_done = False
         seen = self._clock.now()  # every DONE above was observed before this instant
-        if all(p.done for p in req.parts):
+        if all_done:
             if req.all_done_at is None:
                 req.all_done_at = seen
             if req.deadline is not None and req.all_done_at > req.deadline:
@@ -847,7 +861,7 @@ class TransferEngine:
         """``_succeed`` (by LANDED: each granted, every part done) for a step's requests at once:
         each is checked as ``_succeed`` checks it, then all move to DONE under one hold of the
         engine's lock, then each handle completes."""
-        proven = [req for req in reqs if self._proven(req)]
+        proven = self._proven_many(reqs)
         done = []
         with self._lock:
             for req in proven:
@@ -875,6 +889,23 @@ class TransferEngine:
         self._fail(req, error)
         self._wake()
         return False
+
+    def _proven_many(self, reqs: list[_Request]) -> list[_Request]:
+        """Those of ``reqs`` that may succeed now (``_proven``). Where every look is one a batch
+        can take (``verify.many``: the same table on this host), they are taken together."""
+        looks = [req for req in reqs if req.verify is not None and lifecycle.live(req.phase)]
+        many = getattr(looks[0].verify, "many", None) if len(looks) > 1 else None
+        results = many([req.verify for req in looks]) if many is not None else None
+        if results is None:
+            return [req for req in reqs if self._proven(req)]
+        failed = set()
+        for req, error in zip(looks, results):
+            if error is not None:  # never LOOKING: a batch's looks are loads on this host
+                failed.add(id(req))
+                self._fail(req, error)
+        if failed:
+            self._wake()
+        return [req for req in reqs if id(req) not in failed]
 
     def _complete(self, req: _Request) -> None:
         """Complete the handle of ``req``, which has just left the table as DONE."""

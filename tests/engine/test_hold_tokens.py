@@ -62,6 +62,26 @@ def test_words_issue_retire_and_replace(tmp_path):
         words.close()
 
 
+def test_a_steps_looks_taken_together_say_what_each_look_says():
+    """``check_many`` (one gather for a step's looks) answers each token as ``check`` does."""
+    words = HoldWords("p-2", slots=8, directory="/dev/shm")
+    try:
+        view = WordView(words.path, 8)
+        live = words.issue("a", [3, 1])
+        old = words.issue("b", [2])
+        new = words.issue("b", [2])                       # replaced: ``old`` names an earlier epoch
+        gone = words.issue("c", [5])
+        words.retire("c")
+        other = HoldToken(live.slot, live.epoch, hold_tag("a", [3, 2]))  # the right word, other ids
+        tokens = [live, old, new, gone, other, live]
+        assert view.check_many(tokens) == [view.check(t) for t in tokens]
+        assert [bool(why) for why in view.check_many(tokens)] == [False, True, False, True, True, False]
+        past = [live, HoldToken(9, 1, 0)]                 # a slot past the table: named, one by one
+        assert view.check_many(past) == [view.check(t) for t in past] and "past" in view.check_many(past)[1]
+    finally:
+        words.close()
+
+
 def test_a_view_refuses_a_path_outside_the_tables():
     with pytest.raises(ConfigError, match="kvxfer-holds"):
         WordView("/etc/passwd", 1)
@@ -363,6 +383,26 @@ def test_a_step_of_token_reads_is_planned_and_posted_once(harness, counted):
                                                for r in reads]
     assert wait_for(lambda: prod.finished().sent >= {"t0", "t1", "t2", "t3"} or not any(
         prod.holding(f"t{i}") for i in range(4)))
+
+
+def test_a_step_with_one_ended_hold_fails_only_that_read(harness):
+    """A step's looks at the producer's words are taken together once its one post completed: the
+    read whose hold ended (released, then held again: a later epoch) fails typed; the others are
+    exact, and the new hold is left alone."""
+    s = spec()
+    prod, pcache = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    reads = _step(prod, (([5, 1], [0, 3]), ([7, 2], [4, 6]), ([9], [8])), prefix="e")
+    prod.release("e1")
+    prod.hold("e1", [7, 2])
+    handles = cons.read_many(reads)
+    for i in (0, 2):  # the first wait completes the step: the others' looks go together
+        handles[i].wait(5)
+        _same(ccache, pcache, reads[i].local_blocks, reads[i].remote_blocks, s)
+    with pytest.raises(LeaseExpiredError, match="hold ended"):
+        handles[1].wait(5)
+    assert prod.holding("e1") and prod.hold_token("e1") != reads[1].token
 
 
 def test_a_step_with_one_bad_read_fails_only_that_read(harness):
