@@ -173,6 +173,13 @@ class Claims:
         with self._lock:
             return self._granted.pop(request_id, None)
 
+    def pop_many(self, request_ids: list[str]) -> None:
+        """``pop`` for ended reads (a step's), under one hold of the lock."""
+        granted = self._granted
+        with self._lock:
+            for request_id in request_ids:
+                granted.pop(request_id, None)
+
     def give_back(self, request_id: str) -> None:
         """Release ``request_id`` at every rank that granted it (the read will not happen), on the
         producer's lane: this returns at once."""

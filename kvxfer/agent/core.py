@@ -130,7 +130,7 @@ class Agent:
         parts.require_cache = lambda: self._require_cache()
         parts.links_for = lambda *args, **kwargs: self._links_for(*args, **kwargs)
         parts.peer_info = lambda: self._peer_info()
-        parts.on_read_done = lambda handle: self._on_read_done(handle)
+        parts.on_reads_done = lambda handles: self._on_reads_done(handles)
         self._codec = Codec(compat_hash(spec), key=self.config.auth_key,
                             max_bytes=self.config.max_message_bytes)
         self._registry = MemoryRegistry(backend)
@@ -700,11 +700,17 @@ class Agent:
         note = encode_notification(request_id, self.engine_id, self.config.auth_key)
         self._backend.notify(link.agent_name, note)
 
-    def _on_read_done(self, handle: TransferHandle) -> None:  # a done-callback: runs on the completing thread
+    def _on_reads_done(self, handles: list[TransferHandle]) -> None:
+        """Reads ended (a step's together): forget their producers and grants, report each
+        (``finished``, ``status``). Runs on the completing thread, once their handles are complete
+        and before their own done-callbacks (``TransferEngine``'s ``on_end``)."""
         parts = self._parts  # once: each ``_part`` property is a call
-        parts.read_remotes.pop(handle.request_id, None)
-        parts.claims.pop(handle.request_id)
-        parts.reports.read_done(handle)
+        ids = [handle.request_id for handle in handles]
+        remotes = parts.read_remotes
+        for request_id in ids:
+            remotes.pop(request_id, None)
+        parts.claims.pop_many(ids)
+        parts.reports.reads_done(handles)
 
     def _on_hold(self, request_id: str, ids, named: tuple) -> None:  # inside the lease table's lock
         words = self._words

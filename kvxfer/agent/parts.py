@@ -84,7 +84,7 @@ class AgentParts:
         self.require_cache: Callable[[], Any] = _unset
         self.links_for: Callable[..., Any] = _unset
         self.peer_info: Callable[[], Any] = _unset
-        self.on_read_done: Callable[[Any], None] = _unset
+        self.on_reads_done: Callable[[list], None] = _unset
 
 
 def _unset(*args: object, **kwargs: object) -> Any:

@@ -207,9 +207,8 @@ class ReadFlow:
         view = agent.tokens.view(links[0]) if any(r.token is not None for r in routed) else None
         if view is None:
             return routed
-        tokened = [r for r in routed if r.token is not None and (
-            r.route.mode is TransferPath.IPC or (r.route.mode is TransferPath.DIRECT and not r.route.chunked and not any(
-                c.staging_bytes for chunks in r.route.requests for c in chunks)))]
+        plain: dict[int, bool] = {}  # by route: a step's reads share one
+        tokened = [r for r in routed if r.token is not None and _by_token(r.route, plain)]
         if not tokened:
             return routed
         verifier = agent.tokens.verifier
@@ -218,12 +217,15 @@ class ReadFlow:
             r.req.verify = verifier(view, r.request_id, r.token)
             r.req.stats.by_token = True  # issue 35 (s2): TransferStats says the read claimed nothing
         self.launch(tokened, grant=True)  # the kernel, granted as it is attached (the token is the grant)
-        for r in tokened:  # a direct read (posted below, once granted), or one launched before
-            if not r.req.granted:
+        direct = []
+        for r in tokened:
+            if r.route.mode is TransferPath.DIRECT:
+                if r.live:
+                    direct.append(r)
+            elif not r.req.granted:  # launched before (a claim that did not go): granted now
                 agent.engine.grant(r.req)
-        direct = [r for r in tokened if r.live and r.route.mode is TransferPath.DIRECT]
         if direct:
-            self._post_direct_many(direct)
+            self._post_direct_many(direct, grant=True)  # granted as they are posted
         polled: set[int] = set()
         for r in tokened:  # its kernel may have passed already: one poll per launch completes its group
             key = id(r.req.group) if r.req.group is not None else id(r)
@@ -436,12 +438,16 @@ class ReadFlow:
             engine.attach_step([r.req for r in live], parts, mode=TransferPath.IPC,
                                setup_seconds=[now - r.started for r in live], grant=grant)
 
-    def _post_direct_many(self, reads: list[PendingRead]) -> None:
+    def _post_direct_many(self, reads: list[PendingRead], grant: bool = False) -> None:
         """Post granted direct reads: each producer rank's share of all of them in one backend
         transfer (``ReadPaths.direct_step``), each read owning a member of it; a read that goes
-        through the host staging buffer (a layout change) or in chunks is posted on its own."""
+        through the host staging buffer (a layout change) or in chunks is posted on its own.
+        ``grant``: they are granted here, before their post (reads by their hold token)."""
         agent = self._agent
-        reads = self._post_shared(reads)
+        reads = self._post_shared(reads, grant)
+        if grant:
+            for r in reads:
+                agent.engine.grant(r.req)
         alone = [r for r in reads
                  if r.route.chunked or any(c.staging_bytes for chunks in r.route.requests for c in chunks)]
         for r in alone:
@@ -471,9 +477,10 @@ class ReadFlow:
                 # lone parts (no job yet) are posted by the engine here, with their notification
                 self._attach(r, read_parts, started=True)
 
-    def _post_shared(self, reads: list[PendingRead]) -> list[PendingRead]:
+    def _post_shared(self, reads: list[PendingRead], grant: bool = False) -> list[PendingRead]:
         """Post the token reads of ``reads`` planned together (``_route_direct_step``): one post for
-        each whole such step still live; returns the others. A step one of whose reads ended
+        each whole such step still live (``grant``: each granted as it is attached); returns the
+        others, not granted here. A step one of whose reads ended
         meanwhile (an abort, a deadline) is routed again read by read: its one post would write
         into the ended read's blocks."""
         agent = self._agent
@@ -499,7 +506,7 @@ class ReadFlow:
                             part.on_done = partial(send, link, r.request_id)  # once known good
                         self._on_success(r)
                     agent.engine.attach_step([r.req for r in group], parts, mode=TransferPath.DIRECT,
-                                             setup_seconds=[now - r.started for r in group])
+                                             setup_seconds=[now - r.started for r in group], grant=grant)
                     continue
             for r in group:  # not whole any more: each on its own route
                 r.step_route = None
@@ -524,6 +531,8 @@ class ReadFlow:
     def _on_success(self, r: PendingRead) -> None:
         """The done notices ``r`` sends on success beside its parts' own: to every rank of a
         chunked read, and to the ranks it claimed from without reading from them."""
+        if not r.route.chunked and not r.sent:
+            return  # (most reads: a read by its token claimed nothing)
         agent = self._agent
         done_links = list(r.route.links) if r.route.chunked else []
         done_links += self._notify_only(r)
@@ -669,6 +678,20 @@ class ReadStep:
             return not self._open
         finally:
             self._lock.release()
+
+
+def _by_token(route, plain: dict[int, bool]) -> bool:
+    """Whether a read routed on ``route`` may go by its hold token: the kernel path, or one plain
+    direct post (not chunked, nothing through the host staging buffer); ``plain`` keeps the
+    answer per route for one step."""
+    if route.mode is TransferPath.IPC:
+        return True
+    if route.mode is not TransferPath.DIRECT or route.chunked:
+        return False
+    ok = plain.get(id(route))
+    if ok is None:
+        ok = plain[id(route)] = not any(c.staging_bytes for chunks in route.requests for c in chunks)
+    return ok
 
 
 def _still_live(reads: list[PendingRead], live_reqs: list) -> list[PendingRead]:

@@ -148,17 +148,19 @@ class Reports:
         with self._lock:
             self._ended.pop(request_id, None)
 
-    def read_done(self, handle) -> None:
-        """A consumer read completed (with or without an error)."""
-        error = handle.exception()
+    def reads_done(self, handles: list) -> None:
+        """Consumer reads completed (a step's, with or without an error), under one hold of the lock."""
         with self._lock:
-            if error is None:
-                self._report("received", handle.request_id)
-                self._remember(handle.request_id, RequestState.RECEIVED)
-            else:
-                self._report("failed", handle.request_id, error)
-                quarantined = getattr(error, "quarantined_blocks", None)
-                self._remember(handle.request_id, RequestState.QUARANTINED if quarantined else RequestState.FAILED)
+            for handle in handles:
+                error = handle.exception()
+                if error is None:
+                    self._report("received", handle.request_id)
+                    self._remember(handle.request_id, RequestState.RECEIVED)
+                else:
+                    self._report("failed", handle.request_id, error)
+                    quarantined = getattr(error, "quarantined_blocks", None)
+                    self._remember(handle.request_id,
+                                   RequestState.QUARANTINED if quarantined else RequestState.FAILED)
 
     def released(self, request_id: str, why: str) -> None:
         """A producer hold ended: ``why`` is a ``ReleaseReason`` ("sent", "aborted" or "expired")."""

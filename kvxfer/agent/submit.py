@@ -82,7 +82,7 @@ class Submissions:
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)
         pending = self._pending_reads(requests, started, locals_, remotes)
         reqs = agent.engine.reserve_many([(r.request_id, r.deadline, r.local) for r in pending], Direction.READ,
-                                          granted=False, caller_polls=True)
+                                          granted=False, caller_polls=True, on_end=agent.on_reads_done)
         agent.submitting.enter()
         try:
             return self._start_reads(pending, reqs)
@@ -115,12 +115,10 @@ class Submissions:
                 agent.lanes.put_many(remote, reads)
                 laned = True
         metrics = agent.metrics
-        for read in pending:  # after the launch: a handle already complete runs them here, at once
-            handle = read.req.handle
-            handle._add_callback(agent.on_read_done)
-            if metrics is not None:
+        if metrics is not None:
+            for read in pending:  # after the launch: a handle already complete runs it here, at once
                 # the path is known once the lane chose it: read it when the handle completes
-                handle._add_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
+                read.req.handle._add_callback(lambda h, req=read.req: metrics.observe("read", req.mode, h))
         if laned:
             agent.wake.set()
         # Reads started here wake no thread: their caller polls them (``wait``, ``done``,

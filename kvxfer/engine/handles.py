@@ -113,9 +113,21 @@ class TransferHandle:
     # ---- engine side -----------------------------------------------------------
     def _finish(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> bool:
         """Complete the handle; returns False if it was already complete."""
+        callbacks = self._end(stats, error)
+        if callbacks is None:
+            return False
+        for cb in callbacks:
+            self._run_callback(cb)
+        return True
+
+    def _end(self, stats: TransferStats | None = None, error: KvxferError | None = None) -> list | None:
+        """``_finish`` without running the done-callbacks: the handle is complete (waiters pass)
+        when this returns its callbacks, for the caller to run (``_run_callback``) once it has
+        done what must come first (``TransferEngine``: the agent's reports); None if it was
+        already complete."""
         with self._lock:
             if self._finished:
-                return False
+                return None
             if stats is not None and not stats.total_seconds:
                 # The call began setup_seconds before the post, and the post seconds before now.
                 stats.total_seconds = stats.setup_seconds + stats.seconds
@@ -127,9 +139,7 @@ class TransferHandle:
             if self._moved is not None:
                 self._moved.notify_all()
         self._latch.release()  # every waiter passes it on (``_wait_latch``)
-        for cb in callbacks:
-            self._run_callback(cb)
-        return True
+        return callbacks
 
     def _nudge(self) -> None:
         """The engine moved the request on (posted, granted or ended): waiters look again."""

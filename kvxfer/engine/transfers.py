@@ -72,6 +72,7 @@ CALLER_GRACE = 0.0005
 #: the booking took the interpreter from that call in the middle of the step's launch.
 SUBMITTING = math.inf
 
+_INT64 = np.dtype(np.int64)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 #: What a request's ``verify`` returns while its look is still out (a NIXL READ of a hold word on
@@ -138,6 +139,10 @@ class _Request:
     mode: str
     blocks: np.ndarray                      # the local blocks this request writes (READ) or reads
     on_success: Callable[[], None] | None = None
+    # Called with the handles of a batch of ended requests (``reserve_many``'s ``on_end``: the
+    # agent's reports of its reads), once their handles are complete and before their own
+    # done-callbacks run: one call for a step's requests completed together.
+    on_end: Callable[[list[TransferHandle]], None] | None = None
     phase: Phase = Phase.GRANTED            # where it stands (``kvxfer.engine.lifecycle``: the one table)
     error: KvxferError | None = None        # why it failed (set with the move to DRAINING)
     drain_until: float = 0.0
@@ -330,20 +335,28 @@ class TransferEngine:
         return self.reserve_many([(request_id, deadline, blocks)], direction, granted=granted)[0]
 
     def reserve_many(self, items: list, direction: Direction, *, granted: bool = True,
-                     caller_polls: bool = False) -> list["_Request"]:
+                     caller_polls: bool = False,
+                     on_end: Callable[[list[TransferHandle]], None] | None = None) -> list["_Request"]:
         """``reserve`` for many ``(request_id, deadline, blocks)`` at once, all or none: one id in
         flight, repeated among ``items``, or a quarantined block refuses the whole batch.
         ``caller_polls``: the submitting thread polls them first; the background driver leaves
-        them to it until ``submitted`` and for ``CALLER_GRACE`` after."""
+        them to it until ``submitted`` and for ``CALLER_GRACE`` after. ``on_end(handles)``: called
+        for these requests once they end, either way (``_Request.on_end``)."""
         if self._closed:
             raise ClosedError("transfer engine is closed")
         now = time.perf_counter()
         fresh = SUBMITTING if caller_polls else 0.0
         reqs = []
         for request_id, deadline, blocks in items:
-            ids = _EMPTY if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
+            if blocks is None:
+                ids = _EMPTY
+            elif type(blocks) is np.ndarray and blocks.dtype == _INT64 and blocks.ndim == 1:
+                ids = blocks  # (a read's checked ids)
+            else:
+                ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
             reqs.append(_Request(TransferHandle(request_id), direction, [], deadline, now, "direct", ids,
-                                 phase=Phase.GRANTED if granted else Phase.RESERVED, fresh_until=fresh))
+                                 phase=Phase.GRANTED if granted else Phase.RESERVED, fresh_until=fresh,
+                                 on_end=on_end))
         with self._lock:
             seen: set[str] = set()
             for req in reqs:
@@ -701,16 +714,22 @@ class TransferEngine:
         if not req.posted or not req.granted:
             return False
         group = req.group  # let go of once it completes (``_complete``)
-        self._poll_once(req)
-        if req.finished and group:
-            self._poll_group(group)
+        landed = self._poll_free(req)
+        if group and (landed or req.finished):
+            self._poll_group(group, req if landed else None)
+        elif landed:
+            self._succeed(req, Event.LANDED)
         return True
 
-    def _poll_group(self, group: list[_Request]) -> None:
-        """One request of a step's shared job completed: poll the step's others that may complete
-        (granted, posted, live, nobody posting, not polled by another thread right now) and
-        complete those whose bytes are in, together (``_succeed_many``)."""
-        landed = [other for other in group if other.phase is Phase.CLEARED and self._poll_free(other)]
+    def _poll_group(self, group: list[_Request], first: _Request | None = None) -> None:
+        """A request of a step's shared job landed (``first``, polled already) or completed: poll
+        the step's others that may complete (granted, posted, live, nobody posting, not polled by
+        another thread right now) and complete those whose bytes are in, with ``first``, together
+        (``_succeed_many``)."""
+        landed = [other for other in group if other is not first and other.phase is Phase.CLEARED
+                  and self._poll_free(other)]
+        if first is not None:
+            landed.insert(0, first)
         if landed:
             self._succeed_many(landed)
 
@@ -732,10 +751,6 @@ class TransferEngine:
             self._fail(req, TransferTimeoutError(
                 f"request {req.handle.request_id!r}: its deadline passed before it completed"))
         return self._drain(req, force=True)
-
-    def _poll_once(self, req: _Request) -> None:
-        if self._poll_free(req):
-            self._succeed(req, Event.LANDED)
 
     def _poll_free(self, req: _Request) -> bool:
         """Poll ``req`` once unless another thread holds it, it ended or failed, or a poster is
@@ -835,6 +850,8 @@ class TransferEngine:
     def _landed(self, req: _Request) -> bool:
         """Every part of ``req`` is done inside its window: True if it is granted (the caller
         succeeds it, with no lock held), else it waits for its grant (MOVED)."""
+        if req.phase is Phase.CLEARED:
+            return True  # granted: its success checks the phase again, under the lock (``_succeed``)
         with self._lock:
             if not lifecycle.live(req.phase):
                 return False
@@ -870,7 +887,10 @@ class TransferEngine:
                     self._requests.pop(req.handle.request_id, None)
                     done.append(req)
         for req in done:
-            self._complete(req)
+            self._tell_done(req)
+        self._end_handles([(req, req.stats, None) for req in done])
+        for req in done:
+            _let_go(req)
 
     def _proven(self, req: _Request) -> bool:
         """Whether ``req`` may succeed now: True unless it reads by hold token and its look at the
@@ -909,6 +929,13 @@ class TransferEngine:
 
     def _complete(self, req: _Request) -> None:
         """Complete the handle of ``req``, which has just left the table as DONE."""
+        self._tell_done(req)
+        self._end_handles([(req, req.stats, None)])
+        _let_go(req)
+
+    def _tell_done(self, req: _Request) -> None:
+        """What a request that has left the table as DONE does before its handle completes: its
+        stats' time, its completion notices, ``on_success``."""
         req.stats.seconds = time.perf_counter() - req.started
         # The request has left the table: nothing below may stop its handle from completing. A
         # notice that cannot be sent (the producer died after the bytes arrived) is logged; the
@@ -927,8 +954,29 @@ class TransferEngine:
                 req.on_success()
             except Exception:  # noqa: BLE001
                 log.exception("request %r: on_success raised", req.handle.request_id)
-        req.handle._finish(stats=req.stats)
-        _let_go(req)
+
+    @staticmethod
+    def _end_handles(items: list[tuple[_Request, TransferStats | None, KvxferError | None]]) -> None:
+        """Complete the handles of ``(request, stats, error)`` items: every handle first (its
+        waiters pass), then each distinct ``on_end`` once with its requests' handles, then each
+        handle's own done-callbacks, in order. Called with no lock held."""
+        ended = []
+        for req, stats, error in items:
+            callbacks = req.handle._end(stats=stats, error=error)
+            if callbacks is not None:
+                ended.append((req.handle, callbacks, req.on_end))
+        hooks: dict[int, tuple] = {}
+        for handle, _, on_end in ended:
+            if on_end is not None:
+                hooks.setdefault(id(on_end), (on_end, []))[1].append(handle)
+        for on_end, handles in hooks.values():
+            try:
+                on_end(handles)
+            except Exception:  # noqa: BLE001 - the handles are complete: their callbacks still run
+                log.exception("the end of %d request(s) could not be reported", len(handles))
+        for handle, callbacks, _ in ended:
+            for cb in callbacks:
+                handle._run_callback(cb)
 
     def _overdue(self, req: _Request) -> bool:
         """Past its deadline and the drain's grace, and not ended: nothing may hold its handle any longer."""
@@ -955,7 +1003,7 @@ class TransferEngine:
             self._quarantine[rid] = req
         error = req.error
         error.quarantined_blocks = req.blocks.tolist()
-        req.handle._finish(error=error)
+        self._end_handles([(req, None, error)])
 
     def _fail(self, req: _Request, error: KvxferError) -> bool:
         """Mark ``req`` failed; it drains from the next progress step. False if it already ended."""
@@ -986,7 +1034,7 @@ class TransferEngine:
         error = req.error
         if not ended:
             error.quarantined_blocks = req.blocks.tolist()
-        return partial(req.handle._finish, error=error)
+        return partial(self._end_handles, [(req, None, error)])
 
     def _end_parts(self, req: _Request, wait: bool) -> bool:
         """Cancel every job of ``req``; True once none can write any more.

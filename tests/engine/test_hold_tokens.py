@@ -443,9 +443,9 @@ def test_a_read_that_ends_before_its_steps_post_leaves_its_blocks_untouched(harn
     reads = _step(prod, (([5, 1], [0, 3]), ([7, 2], [4, 6]), ([9], [8])))
     real = ReadFlow._post_shared
 
-    def abort_first(self, pending):
+    def abort_first(self, pending, *args):
         cons.abort("t1", wait=False)
-        return real(self, pending)
+        return real(self, pending, *args)
 
     monkeypatch.setattr(ReadFlow, "_post_shared", abort_first)
     before = [c.copy() for c in ccache]

@@ -11,6 +11,7 @@ from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.clock import ManualClock
 from kvxfer.engine.shared import SharedJob
 from kvxfer.engine.transfers import Part, TransferEngine
+from kvxfer.errors import TransferFailedError
 from kvxfer.types import Direction, MemKind
 
 
@@ -33,14 +34,15 @@ class KernelJob:
         return True
 
 
-def _step(n=4, granted=None, wake=None):
+def _step(n=4, granted=None, wake=None, on_end=None):
     world = FakeWorld()
     me, peer = FakeBackend("me", world), FakeBackend("peer", world)
     me.add_peer(peer.metadata())
     engine = TransferEngine(me, MemKind.VRAM, clock=ManualClock(), wake=wake)
     job = KernelJob()
     shared = SharedJob(job, members=n)
-    reqs = engine.reserve_many([(f"r{i}", None, [i]) for i in range(n)], Direction.READ, granted=False)
+    reqs = engine.reserve_many([(f"r{i}", None, [i]) for i in range(n)], Direction.READ, granted=False,
+                               on_end=on_end)
     sent: list[str] = []
 
     def notice(rid):
@@ -67,6 +69,27 @@ def test_polling_one_read_of_a_step_completes_every_granted_read_of_its_launch()
     engine.grant(reqs[2])
     assert reqs[2].handle.done() and sent[-1] == "r2"
     assert engine.in_flight() == 0
+
+
+def test_a_steps_reads_completed_together_are_reported_once_before_their_callbacks():
+    """``on_end`` (the agent's reports) runs once for the reads one poll completes, after every one
+    of their handles is complete and before any of their done-callbacks; a read that ends later
+    (here: failed) gets its own call."""
+    seen: list = []
+
+    def on_end(handles):
+        seen.append(("end", [h.request_id for h in handles], [h.done() for h in handles]))
+
+    engine, job, reqs, _ = _step(4, granted={0, 1, 2}, on_end=on_end)
+    for r in reqs:
+        r.handle.add_done_callback(lambda h: seen.append(("callback", h.request_id)))
+    job.finished.set()
+    assert reqs[0].handle.done()
+    assert seen == [("end", ["r0", "r1", "r2"], [True, True, True]),
+                    ("callback", "r0"), ("callback", "r1"), ("callback", "r2")]
+    engine.cancel("r3", TransferFailedError("aborted"))
+    engine.progress()
+    assert reqs[3].handle.done() and seen[-2:] == [("end", ["r3"], [True]), ("callback", "r3")]
 
 
 def test_a_step_whose_kernel_is_still_running_completes_nothing():
