@@ -211,18 +211,22 @@ class ReadFlow:
         tokened = [r for r in routed if r.token is not None and _by_token(r.route, plain)]
         if not tokened:
             return routed
-        verifier = agent.tokens.verifier
-        for r in tokened:  # the look is in place before the grant, so no success can skip it
+        for r in tokened:
             r.tokened = True
-            r.req.verify = verifier(view, r.request_id, r.token)
             r.req.stats.by_token = True  # issue 35 (s2): TransferStats says the read claimed nothing
-        self.launch(tokened, grant=True)  # the kernel, granted as it is attached (the token is the grant)
+        # The kernel first (not granted yet: none of its reads can succeed), then the looks, then
+        # the grants: a look is in place before its read's grant, so no success can skip it, and
+        # setting the looks up overlaps the kernel.
+        self.launch(tokened)
+        verifier = agent.tokens.verifier
+        for r in tokened:
+            r.req.verify = verifier(view, r.request_id, r.token)
         direct = []
         for r in tokened:
             if r.route.mode is TransferPath.DIRECT:
                 if r.live:
                     direct.append(r)
-            elif not r.req.granted:  # launched before (a claim that did not go): granted now
+            else:  # the token is the grant
                 agent.engine.grant(r.req)
         if direct:
             self._post_direct_many(direct, grant=True)  # granted as they are posted
@@ -296,12 +300,11 @@ class ReadFlow:
             else:
                 self._route(r, links)
 
-    def launch(self, reads: list[PendingRead], grant: bool = False) -> None:
-        """Launch the IPC reads of ``reads`` not launched yet (one kernel launch per rank);
-        ``grant``: they are granted as they are attached (reads by their hold token)."""
+    def launch(self, reads: list[PendingRead]) -> None:
+        """Launch the IPC reads of ``reads`` not launched yet (one kernel launch per rank)."""
         try:
             self._launch_ipc([r for r in reads if r.live and r.route is not None
-                              and r.route.mode is TransferPath.IPC and not r.launched], grant=grant)
+                              and r.route.mode is TransferPath.IPC and not r.launched])
         except Exception as exc:  # noqa: BLE001
             log.exception("kvxfer: launching reads")
             self.crashed(reads, exc)
@@ -410,10 +413,10 @@ class ReadFlow:
             except KvxferError as exc:
                 self._fail(r, exc)
 
-    def _launch_ipc(self, reads: list[PendingRead], grant: bool = False) -> None:
+    def _launch_ipc(self, reads: list[PendingRead]) -> None:
         """One pair-copy launch per producer rank for every IPC read of the batch, one event
         (``ReadPaths.launch_ipc``); the step's reads attach their members of it in one pass
-        (``TransferEngine.attach_step``), granted there too with ``grant`` (reads by token)."""
+        (``TransferEngine.attach_step``), not granted (a claim's answer or a token grants them)."""
         if not reads:
             return
         agent, engine = self._agent, self._agent.engine
@@ -436,7 +439,7 @@ class ReadFlow:
                 r.launched = r.route
                 self._on_success(r)
             engine.attach_step([r.req for r in live], parts, mode=TransferPath.IPC,
-                               setup_seconds=[now - r.started for r in live], grant=grant)
+                               setup_seconds=[now - r.started for r in live])
 
     def _post_direct_many(self, reads: list[PendingRead], grant: bool = False) -> None:
         """Post granted direct reads: each producer rank's share of all of them in one backend

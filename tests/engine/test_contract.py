@@ -204,6 +204,31 @@ def test_status_follows_a_read_and_a_hold_without_draining_finished(harness):
     assert cons.status("r") is RequestState.RECEIVED   # finished() drained; status remembers
 
 
+def test_a_done_callback_finds_its_read_reported(harness):
+    """The agent reports a read (``status``, ``finished``) before the read's own done-callbacks
+    run: a callback that asks about its read sees how it ended, whichever thread completes it."""
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, _ = harness.agent(s, seed=2, listen=False)
+    prod.hold("ok", [1])
+    seen = {}
+
+    def ask(h):
+        seen[h.request_id] = cons.status(h.request_id)
+
+    cons._backend.hold_transfers(True)
+    good = cons.read(prod.address, [0], [1], "ok", timeout=10)
+    bad = cons.read(prod.address, [2], [3], "nobody-holds-it", timeout=10)   # refused by the producer
+    good.add_done_callback(ask)
+    bad.add_done_callback(ask)
+    cons._backend.hold_transfers(False)
+    good.wait(5)
+    with pytest.raises(KvxferError):
+        bad.wait(5)
+    assert wait_for(lambda: len(seen) == 2)
+    assert seen == {"ok": RequestState.RECEIVED, "nobody-holds-it": RequestState.FAILED}
+
+
 def test_status_reports_quarantine_then_reclaim(harness):
     s = spec()
     prod, _ = harness.agent(s, seed=1)
