@@ -33,6 +33,9 @@ class SharedJob:
         self._error: KvxferError | None = None
         self._ended = False
         self._lock = threading.Lock()
+        # what every member says of the job (looked up once, not once a member)
+        self.notifies = bool(getattr(job, "notifies", False))
+        self.moves_itself = bool(getattr(job, "moves_itself", False))
 
     def member(self, num_bytes: int, descriptors: int) -> "_Member":
         """One request's share (``num_bytes`` of the job's bytes, for its stats)."""
@@ -85,8 +88,7 @@ class _Member:
     def __init__(self, shared: SharedJob, num_bytes: int, descriptors: int) -> None:
         self._shared, self._left = shared, False
         self.num_bytes, self.descriptors = num_bytes, descriptors
-        self.notifies = bool(getattr(shared._job, "notifies", False))
-        self.moves_itself = bool(getattr(shared._job, "moves_itself", False))
+        self.notifies, self.moves_itself = shared.notifies, shared.moves_itself
 
     def poll(self) -> bool:
         shared = self._shared
