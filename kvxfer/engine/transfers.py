@@ -230,10 +230,10 @@ def _give_up_look(req: _Request) -> None:
 
 
 def _let_go(req: _Request) -> None:
-    """Drop what a completed request holds of its step (its group, its claim's driver, its
-    success callback): each refers back to the request, and a cycle of a step's objects is freed
-    only by the interpreter's cycle collector, whose pauses then grow with every step (issue 34,
-    rule 4)."""
+    """Drop what an ended request holds of its step (its group, its claim's driver, its success
+    callback): each refers back to the request, and a cycle of a step's objects is freed only by
+    the interpreter's cycle collector, whose pauses then grow with every step (issue 34, rule 4).
+    A failed one keeps its parts (a quarantined request's blocks come back only once they end)."""
     req.group = req.advance = req.on_success = None
 
 
@@ -889,8 +889,6 @@ class TransferEngine:
         for req in done:
             self._tell_done(req)
         self._end_handles([(req, req.stats, None) for req in done])
-        for req in done:
-            _let_go(req)
 
     def _proven(self, req: _Request) -> bool:
         """Whether ``req`` may succeed now: True unless it reads by hold token and its look at the
@@ -931,7 +929,6 @@ class TransferEngine:
         """Complete the handle of ``req``, which has just left the table as DONE."""
         self._tell_done(req)
         self._end_handles([(req, req.stats, None)])
-        _let_go(req)
 
     def _tell_done(self, req: _Request) -> None:
         """What a request that has left the table as DONE does before its handle completes: its
@@ -959,7 +956,8 @@ class TransferEngine:
     def _end_handles(items: list[tuple[_Request, TransferStats | None, KvxferError | None]]) -> None:
         """Complete the handles of ``(request, stats, error)`` items: every handle first (its
         waiters pass), then each distinct ``on_end`` once with its requests' handles, then each
-        handle's own done-callbacks, in order. Called with no lock held."""
+        handle's own done-callbacks, in order; then each request lets go of its step
+        (``_let_go``), whichever way it ended. Called with no lock held."""
         ended = []
         for req, stats, error in items:
             callbacks = req.handle._end(stats=stats, error=error)
@@ -977,6 +975,8 @@ class TransferEngine:
         for handle, callbacks, _ in ended:
             for cb in callbacks:
                 handle._run_callback(cb)
+        for req, _, _ in items:
+            _let_go(req)
 
     def _overdue(self, req: _Request) -> bool:
         """Past its deadline and the drain's grace, and not ended: nothing may hold its handle any longer."""
