@@ -226,7 +226,7 @@ class ReadFlow:
             if r.route.mode is TransferPath.DIRECT:
                 if r.live:
                     direct.append(r)
-            else:  # the token is the grant
+            elif not r.req.granted:  # the token is the grant
                 agent.engine.grant(r.req)
         if direct:
             self._post_direct_many(direct, grant=True)  # granted as they are posted
