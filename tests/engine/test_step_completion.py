@@ -92,6 +92,26 @@ def test_a_steps_reads_completed_together_are_reported_once_before_their_callbac
     assert reqs[3].handle.done() and seen[-2:] == [("end", ["r3"], [True]), ("callback", "r3")]
 
 
+def test_a_report_that_raises_is_logged_and_the_reads_still_complete_with_their_callbacks(caplog):
+    """``on_end`` raising (an agent bug) leaves nothing pending: every handle is complete and its
+    own done-callbacks run; the error is logged with its traceback."""
+    import logging
+
+    def on_end(handles):
+        raise RuntimeError("report bug")
+
+    engine, job, reqs, _ = _step(2, on_end=on_end)
+    ran = []
+    for r in reqs:
+        r.handle.add_done_callback(lambda h: ran.append(h.request_id))
+    job.finished.set()
+    with caplog.at_level(logging.ERROR, logger="kvxfer"):
+        assert reqs[0].handle.done()
+    assert all(r.handle.done() for r in reqs) and ran == ["r0", "r1"]
+    assert any("report bug" in (rec.exc_text or "") for rec in caplog.records)
+    assert engine.in_flight() == 0
+
+
 def test_a_step_whose_kernel_is_still_running_completes_nothing():
     engine, job, reqs, sent = _step(3)
     assert not reqs[1].handle.done()
