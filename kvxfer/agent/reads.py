@@ -207,8 +207,8 @@ class ReadFlow:
         view = agent.tokens.view(links[0]) if any(r.token is not None for r in routed) else None
         if view is None:
             return routed
-        plain: dict[int, bool] = {}  # by route: a step's reads share one
-        tokened = [r for r in routed if r.token is not None and _by_token(r.route, plain)]
+        tokened = [r for r in routed if r.token is not None
+                   and (r.route.mode is TransferPath.IPC or _one_post(r.route))]
         if not tokened:
             return routed
         for r in tokened:
@@ -219,10 +219,9 @@ class ReadFlow:
         # setting the looks up overlaps the kernel.
         self.launch(tokened)
         verifier = agent.tokens.verifier
-        for r in tokened:
-            r.req.verify = verifier(view, r.request_id, r.token)
         direct = []
         for r in tokened:
+            r.req.verify = verifier(view, r.request_id, r.token)
             if r.route.mode is TransferPath.DIRECT:
                 if r.live:
                     direct.append(r)
@@ -289,8 +288,7 @@ class ReadFlow:
             except KvxferError:
                 route = None
             blocks = self._agent.spec.block_size, links[0].spec.block_size
-            if route is not None and (route.mode is not TransferPath.DIRECT or route.chunked or any(
-                    c.staging_bytes for chunks in route.requests for c in chunks) or not all(
+            if route is not None and (not _one_post(route) or not all(
                     r.local.size * blocks[0] == r.remote_ids.size * blocks[1] for r in plain)):
                 route = None
         chosen = {id(r) for r in plain} if route is not None else set()
@@ -451,8 +449,7 @@ class ReadFlow:
         if grant:
             for r in reads:
                 agent.engine.grant(r.req)
-        alone = [r for r in reads
-                 if r.route.chunked or any(c.staging_bytes for chunks in r.route.requests for c in chunks)]
+        alone = [r for r in reads if not _one_post(r.route)]
         for r in alone:
             self._post_direct(r)
         reads = [r for r in reads if r not in alone]
@@ -683,18 +680,11 @@ class ReadStep:
             self._lock.release()
 
 
-def _by_token(route, plain: dict[int, bool]) -> bool:
-    """Whether a read routed on ``route`` may go by its hold token: the kernel path, or one plain
-    direct post (not chunked, nothing through the host staging buffer); ``plain`` keeps the
-    answer per route for one step."""
-    if route.mode is TransferPath.IPC:
-        return True
-    if route.mode is not TransferPath.DIRECT or route.chunked:
-        return False
-    ok = plain.get(id(route))
-    if ok is None:
-        ok = plain[id(route)] = not any(c.staging_bytes for chunks in route.requests for c in chunks)
-    return ok
+def _one_post(route) -> bool:
+    """Whether ``route`` is one plain direct post: not chunked, nothing through the host staging
+    buffer (what a read by its hold token or a step's shared post needs)."""
+    return route.mode is TransferPath.DIRECT and not route.chunked and not any(
+        c.staging_bytes for chunks in route.requests for c in chunks)
 
 
 def _still_live(reads: list[PendingRead], live_reqs: list) -> list[PendingRead]:
