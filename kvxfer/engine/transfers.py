@@ -677,10 +677,11 @@ class TransferEngine:
             # what completes a handle (callbacks, notices, a hold word's look) runs unlocked
             if stuck:
                 self._abandon(req)
-            elif succeed:
+                continue
+            if succeed:
                 self._succeed(req, Event.LANDED)
-            elif end is not None:
-                end()
+            if end is not None:  # failed by another thread after it landed: it drained here, and only
+                end()            # this call ends its handle (``_succeed`` found it no longer live)
 
     def _poke(self, req: _Request, block: float = 0.0) -> bool | None:
         """Poll ``req`` once from its waiter's thread; nothing if another thread is polling it.

@@ -94,7 +94,9 @@ def test_a_consumer_that_steps_and_polls_sees_every_read_exact(producer):
             spin_python(0.004)
             agent.poll()
             pending = {i: h for i, h in pending.items() if not h.done()}
-        assert not pending, f"reads not done after 15 s of steps: {sorted(pending)}"
+        assert not pending, (f"reads not done after 15 s of steps (their timeout is 10 s): "
+                             f"{ {f'step{i}': agent.status(f'step{i}').value for i in sorted(pending)} }, "
+                             f"{_stats(agent)}")
         received = agent.finished().received
         assert received == {f"step{i}" for i in range(n)}
         for i in range(n):
