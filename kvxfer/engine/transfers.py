@@ -694,6 +694,9 @@ class TransferEngine:
         grant is pending and this thread may drive it (poll again), and False while only another
         thread can move it on (a lane claiming it): a waiter then sleeps instead of spinning. A
         failure is recorded here and drained by the progress thread, like one it found."""
+        if req.finished:  # ended: its handle completes on the thread that ended it, unless that was lost
+            self._orphaned(req)
+            return True
         if self._overdue(req):  # past its deadline and the grace: any poller ends it, here
             end = None
             stuck = not req.lock.acquire(blocking=False)
@@ -983,6 +986,21 @@ class TransferEngine:
         """Past its deadline and the drain's grace, and not ended: nothing may hold its handle any longer."""
         return (req.deadline is not None and not req.finished
                 and self._clock.now() >= req.deadline + self._grace)
+
+    def _orphaned(self, req: _Request) -> None:
+        """``req`` ended but its handle is still pending. The thread that ended it completes the
+        handle a moment later; only if that was lost (an engine bug) is the handle still pending
+        past its deadline and the grace: it completes here then, with the request's outcome, and
+        the loss is logged. No handle outlives its deadline whatever the engine's threads did."""
+        if req.handle._finished or req.deadline is None or self._clock.now() < req.deadline + self._grace:
+            return
+        log.error("kvxfer engine: request %r ended (%s) without completing its handle; completed now",
+                  req.handle.request_id, req.phase.value)
+        if req.phase is Phase.DONE:
+            self._end_handles([(req, req.stats, None)])
+        else:
+            error = req.error or TransferFailedError(f"request {req.handle.request_id!r} failed")
+            self._end_handles([(req, None, error)])
 
     def _abandon(self, req: _Request) -> None:
         """``req``'s poster has held it past its deadline and the drain's grace (a backend call
