@@ -458,18 +458,23 @@ class ReadFlow:
             parts, failed = agent.paths.direct_step([StepRead(r.local, r.remote_ids, r.note, r.route, r.timeout)
                                                      for r in live])
             for i, (r, read_parts) in enumerate(zip(live, parts)):
-                if r.tokened:
-                    # Its notice goes once the word matched (after success), and on the producer
-                    # rank's done lane (``DoneSender``), not on the thread that completes the read.
-                    by_name = {link.agent_name: link for link in r.route.links}
-                    for part in read_parts:
-                        link = by_name.get(part.peer)
-                        if link is not None:
-                            part.on_done = partial(agent.done.send, link, r.request_id)
-                            part.notification = b""
-                        elif part.job is None and part.notification:
-                            part.on_done = partial(agent.backend.notify, part.peer, part.notification)
-                            part.notification = b""
+                # A read's notice goes once it is known good (a token read's: once its word
+                # matched), on the producer rank's done lane (``DoneSender``), never as network
+                # I/O on the thread that completes the read. A claimed read's lone post (no job
+                # yet) carries its notice in its own transfer instead.
+                by_name = None
+                for part in read_parts:
+                    if part.job is None and not r.tokened:
+                        continue
+                    if by_name is None:
+                        by_name = {link.agent_name: link for link in r.route.links}
+                    link = by_name.get(part.peer)
+                    if link is not None:
+                        part.on_done = partial(agent.done.send, link, r.request_id)
+                        part.notification = b""
+                    elif part.job is None and part.notification:
+                        part.on_done = partial(agent.backend.notify, part.peer, part.notification)
+                        part.notification = b""
                 if i in failed:
                     self._fail(r, failed[i])
                     agent.claims.give_back(r.request_id)  # on the producer's lane, after the failure

@@ -131,10 +131,8 @@ class ReadPaths:
                     failed[i] = exc
                 continue
             shared = SharedJob(job, members=len(members))
-            for _, part in members:  # the completion notice goes per read, once it is known good
+            for _, part in members:  # its notice (``notification``) goes per read, once it is known good
                 part.job = shared.member(int(part.plan.num_bytes), int(part.plan.local.shape[0]))
-                part.on_done = _Notice(self._backend, peer, part.notification)
-                part.notification = b""
         return [[p for p in read_parts if p.job is not None or i not in failed]
                 for i, read_parts in enumerate(parts)], failed
 
@@ -187,12 +185,3 @@ def _shares(reads: list[StepRead]) -> np.ndarray:
     blocks = np.array([r.local.size for r in reads], dtype=np.float64)
     return blocks / blocks.sum()
 
-
-class _Notice:
-    """A joined post member's completion notification, sent once the read is known good."""
-
-    def __init__(self, backend, peer: str, note: bytes) -> None:
-        self._backend, self._peer, self._note = backend, peer, note
-
-    def __call__(self) -> None:
-        self._backend.notify(self._peer, self._note)

@@ -11,6 +11,7 @@ import types
 import msgspec
 import pytest
 
+from kvxfer import ReadRequest
 from kvxfer.agent.notices import DoneSender
 from kvxfer.errors import ProtocolError
 from kvxfer.protocol import MAX_BATCH, Claim, Codec, Done, Grant, Heartbeat, HeartbeatAck, compat_hash
@@ -160,3 +161,26 @@ def test_done_more_round_trips_and_is_bounded():
     assert codec.decode(codec.encode(Done("a", "eng"))).more == []
     with pytest.raises(ProtocolError):
         codec.decode(codec.encode(Done("a", "eng", ["x"] * (MAX_BATCH + 1))))
+
+
+def test_a_claimed_steps_joined_post_sends_its_notices_on_the_done_lane(harness):
+    """A step of claimed direct reads to one rank is one joined backend post; each read's done
+    notice goes on the done lane once the read is known good, never as a NIXL notification sent
+    by the thread that completes the read (network I/O there could hold a completed read's
+    handle back for as long as the call takes)."""
+    s = spec()
+    prod, prod_cache = harness.agent(s, seed=1)
+    cons, cons_cache = harness.agent(s, seed=2, listen=False)
+    cons.connect(*prod.address)
+    for i in range(3):
+        prod.hold(f"j{i}", [2 * i, 2 * i + 1])
+    inline: list = []
+    cons._backend.notify = lambda peer, message: inline.append(peer)
+    handles = cons.read_many([ReadRequest(prod.address, [6 + 2 * i, 7 + 2 * i], [2 * i, 2 * i + 1], f"j{i}",
+                                          timeout=5) for i in range(3)])
+    assert {h.wait(5).mode for h in handles} == {"direct"}
+    for i in range(3):
+        for got, want in zip(cons_cache, prod_cache):
+            assert (got[:, [6 + 2 * i, 7 + 2 * i]] == want[:, [2 * i, 2 * i + 1]]).all()
+    assert inline == []
+    assert wait_for(lambda: not any(prod.holding(f"j{i}") for i in range(3)))
