@@ -27,6 +27,7 @@ fails: its producer may have freed and reused the blocks while they moved.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import threading
@@ -227,6 +228,17 @@ def _give_up_look(req: _Request) -> None:
             cancel()
         except Exception:  # noqa: BLE001 - the look's row comes back later or never: no byte of the cache
             log.debug("request %r: giving up its look failed", req.handle.request_id, exc_info=True)
+
+
+def _quarantine_error(error: KvxferError, blocks: list[int]) -> KvxferError:
+    """``error`` for one quarantined request, naming its blocks (``quarantined_blocks``): a copy,
+    since one error may fail several requests (a step's), each with its own blocks, and a request
+    that ended cleanly with the same error has none."""
+    mine = copy.copy(error)
+    mine.__cause__, mine.__context__ = error.__cause__, error.__context__
+    mine.__suppress_context__, mine.__traceback__ = error.__suppress_context__, error.__traceback__
+    mine.quarantined_blocks = blocks
+    return mine
 
 
 def _let_go(req: _Request) -> None:
@@ -628,8 +640,9 @@ class TransferEngine:
                     req.lock.release()
                 if ended:
                     with self._lock:
-                        if self._quarantine.pop(req.handle.request_id, None) is None:
+                        if self._quarantine.get(req.handle.request_id) is not req:
                             continue
+                        del self._quarantine[req.handle.request_id]
                         req.move(Event.RECLAIM)
                     self._on_reclaimed(req.handle.request_id)
         finally:
@@ -875,7 +888,7 @@ class TransferEngine:
             if not lifecycle.live(req.phase):
                 return
             req.move(event)
-            self._requests.pop(req.handle.request_id, None)
+            self._forget(req)
         self._complete(req)
 
     def _succeed_many(self, reqs: list[_Request]) -> None:
@@ -888,7 +901,7 @@ class TransferEngine:
             for req in proven:
                 if lifecycle.live(req.phase):
                     req.move(Event.LANDED)
-                    self._requests.pop(req.handle.request_id, None)
+                    self._forget(req)
                     done.append(req)
         for req in done:
             self._tell_done(req)
@@ -982,6 +995,14 @@ class TransferEngine:
         for req, _, _ in items:
             _let_go(req)
 
+    def _forget(self, req: _Request) -> None:
+        """Take ``req`` out of the table of requests in flight (the caller holds the engine's
+        lock): by identity, so that a request that ended and was seen late never takes out a
+        newer request of the same id."""
+        rid = req.handle.request_id
+        if self._requests.get(rid) is req:
+            del self._requests[rid]
+
     def _overdue(self, req: _Request) -> bool:
         """Past its deadline and the drain's grace, and not ended: nothing may hold its handle any longer."""
         return (req.deadline is not None and not req.finished
@@ -1018,10 +1039,9 @@ class TransferEngine:
                     f"request {rid!r}: its deadline passed while its transfer was still being posted "
                     "(the transport's call had not returned)")
             req.move(Event.GIVE_UP)
-            self._requests.pop(rid, None)
+            self._forget(req)
             self._quarantine[rid] = req
-        error = req.error
-        error.quarantined_blocks = req.blocks.tolist()
+            req.error = error = _quarantine_error(req.error, req.blocks.tolist())
         self._end_handles([(req, None, error)])
 
     def _fail(self, req: _Request, error: KvxferError) -> bool:
@@ -1044,15 +1064,14 @@ class TransferEngine:
             return None
         _give_up_look(req)
         with self._lock:
-            self._requests.pop(req.handle.request_id, None)
             if req.finished:
                 return None
+            self._forget(req)
             req.move(Event.ENDED if ended else Event.GIVE_UP)
             if not ended:
                 self._quarantine[req.handle.request_id] = req
+                req.error = _quarantine_error(req.error, req.blocks.tolist())
         error = req.error
-        if not ended:
-            error.quarantined_blocks = req.blocks.tolist()
         return partial(self._end_handles, [(req, None, error)])
 
     def _end_parts(self, req: _Request, wait: bool) -> bool:

@@ -1,7 +1,12 @@
-"""A request failed by another thread (an abort) while a progress pass finds its bytes landed
-ends with that failure: the pass that drained it also completes its handle. Before, the pass
-tried to succeed it (no longer live: nothing happened) and dropped the drain's completion, so
-the handle stayed pending for ever, past its deadline, with the request gone from the engine."""
+"""How a request's end reaches its handle when threads race, and nothing of one request's end
+touches another's:
+
+* a request failed by another thread (an abort) just after a progress pass found its bytes in
+  ends with that failure (the pass that drained it completes its handle; before, the handle
+  stayed pending for ever);
+* the backstop: a handle whose request's end was lost completes by its deadline;
+* a pass that meets an ended request late leaves a newer request of the same id alone;
+* one error failing several requests names each one's own quarantined blocks."""
 
 import pytest
 
@@ -71,3 +76,74 @@ def test_a_handle_whose_completion_was_lost_completes_by_its_deadline(monkeypatc
     assert req.handle.done()
     assert req.handle.wait(0).request_id == "r"  # it had succeeded: its stats, no error
     assert "without completing its handle" in caplog.text
+
+
+class NeverLands:
+    """A posted transfer that never lands; cancelling it ends it at once."""
+
+    notifies = False
+    num_bytes, descriptors = 64, 1
+
+    def poll(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return True
+
+
+def _posted(engine, clock, rid, blocks, job):
+    [req] = engine.reserve_many([(rid, clock.now() + 10, blocks)], Direction.READ, granted=True)
+    with engine.posting([req]):
+        assert engine.attach(req, [Part("peer", None, MemKind.VRAM, b"", job=job)], mode="direct", started=True)
+    return req
+
+
+def _engine():
+    world = FakeWorld()
+    me, peer = FakeBackend("me", world), FakeBackend("peer", world)
+    me.add_peer(peer.metadata())
+    clock = ManualClock()
+    return TransferEngine(me, MemKind.VRAM, clock=clock), clock
+
+
+def test_a_pass_that_meets_an_ended_request_late_leaves_its_retry_alone():
+    """A progress pass works on a snapshot of the requests: one that ended meanwhile, and whose
+    id the caller has already submitted again, must not take the new request out of the engine
+    (before: the pass's drain took the id out of the table, so no pass, cancel or ``close``
+    reached the retry; an awaiting caller waited for ever)."""
+    engine, clock = _engine()
+    first = _posted(engine, clock, "a", [3], NeverLands())
+    engine.cancel("a", AbortedError("request 'a' aborted by the consumer"))
+    with engine._lock:
+        snapshot = list(engine._requests.values())  # a pass starts on another thread ...
+    engine.progress()                               # ... while this one ends the request
+    assert first.handle.done() and first.finished
+    retry = _posted(engine, clock, "a", [3], NeverLands())
+    engine._progress(snapshot)                      # the first pass goes on, with the ended request
+    assert engine.has("a") and engine.in_flight() == 1
+    assert engine.cancel("a", AbortedError("request 'a' aborted again"))  # still reachable
+    engine.progress()
+    assert retry.handle.done() and isinstance(retry.handle.exception(), AbortedError)
+
+
+def test_one_error_failing_several_requests_names_each_ones_quarantined_blocks():
+    """A step's reads failed with one error object: each quarantined request's error names its
+    own blocks, and one that ended cleanly names none (before, they shared one attribute: the
+    last writer's blocks, and a clean end reported as quarantined)."""
+    engine, clock = _engine()
+
+    class Stuck(NeverLands):
+        def cancel(self) -> bool:
+            return False  # not confirmed ended: its blocks stay quarantined
+
+    reqs = [_posted(engine, clock, "q1", [1, 2], Stuck()), _posted(engine, clock, "q2", [5], Stuck()),
+            _posted(engine, clock, "ok", [7], NeverLands())]
+    error = AbortedError("the step was aborted")
+    for req in reqs:
+        engine.fail(req, error)
+    clock.advance(11)  # past the deadlines and the grace: the stuck ones are quarantined
+    engine.progress()
+    got = {req.handle.request_id: getattr(req.handle.exception(), "quarantined_blocks", None) for req in reqs}
+    assert got == {"q1": [1, 2], "q2": [5], "ok": None}
+    assert all(isinstance(req.handle.exception(), AbortedError) for req in reqs)
+    assert engine.quarantined() == {"q1": [1, 2], "q2": [5]}
