@@ -48,7 +48,8 @@ import numpy as np
 
 from kvxfer.engine.lifecycle import LIVE
 from kvxfer.engine.readpaths import StepRead
-from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError, TransferTimeoutError
+from kvxfer.errors import (ClosedError, KvxferError, LayoutError, PeerLostError, TransferFailedError,
+                           TransferTimeoutError)
 from kvxfer.layout import notify_ranks, peer_ranks
 from kvxfer.protocol import encode_notification
 from kvxfer.types import TransferPath
@@ -195,7 +196,7 @@ class ReadFlow:
         started = time.perf_counter()
         for r, answer in zip(routed, sent):
             r.claim_started, r.sent = started, answer
-        step = ReadStep(self._agent.claims, self._settle, routed, links)
+        step = ReadStep(self._agent.claims, self._settle, self._settle_crashed, routed, links)
         agent.engine.on_advance([r.req for r in routed], step.advance)
         return True
 
@@ -355,6 +356,15 @@ class ReadFlow:
             self._send_packs(sent)
             self._settle(sent, links)
             pending = [r for r in lost if r.live] if attempt == 1 else []
+
+    def _settle_crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
+        """Settling ``reads`` raised something unexpected (a bug), on whichever thread polled:
+        logged, and every one of them not yet posted fails typed now rather than by its
+        deadline; those posted end with their transfers. Their producer's window lapses by
+        itself (the hold stays for a retry)."""
+        log.error("kvxfer: settling a step's reads raised; the reads not yet posted fail", exc_info=exc)
+        error = TransferFailedError(f"internal error while its claim's answer was taken: {exc!r}")
+        self._fail_all([r for r in reads if r.live and not r.req.posted], error)
 
     def crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
         """The lane's batch raised something unexpected: fail what it left unfinished."""
@@ -654,8 +664,8 @@ class ReadStep:
     (its deadline, an abort) has its claim given back on the producer's lane. One thread settles
     a step at a time; another thread's call returns at once (or after ``block``)."""
 
-    def __init__(self, claims, settle, reads: list[PendingRead], links: list) -> None:
-        self._claims, self._settle, self._links = claims, settle, links
+    def __init__(self, claims, settle, crashed, reads: list[PendingRead], links: list) -> None:
+        self._claims, self._settle, self._crashed, self._links = claims, settle, crashed, links
         self._open = list(reads)
         self._lock = threading.Lock()
 
@@ -679,7 +689,10 @@ class ReadStep:
                     claims.undo(r.request_id, r.sent)
                     r.sent = None
             if ready:
-                self._settle(ready, self._links)
+                try:
+                    self._settle(ready, self._links)
+                except Exception as exc:  # noqa: BLE001 - a bug: no read of the step is left unsettled
+                    self._crashed(ready, exc)
             return not self._open
         finally:
             self._lock.release()
