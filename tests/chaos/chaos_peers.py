@@ -195,6 +195,17 @@ def fill(cache: list[np.ndarray], ids, value: int = SENTINEL) -> None:
         t[:, list(ids)] = value
 
 
+def threads_now() -> str:
+    """Every thread's stack in this process now (for a failure's message: where a read is stuck)."""
+    import faulthandler
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
 def blocks_of(cache: list[np.ndarray], ids) -> list[np.ndarray]:
     return [t[:, list(ids)].copy() for t in cache]
 

@@ -24,7 +24,7 @@ import pytest
 from kvxfer import AbortedError, KVSpec, ReadRequest
 from kvxfer.testing import free_port_block, spin_python
 
-from chaos_peers import BIG, Peer, blocks_of, consumer, fill, freeze, idle, wait_until
+from chaos_peers import BIG, Peer, blocks_of, consumer, fill, freeze, idle, threads_now, wait_until
 
 SEED = 21
 
@@ -96,7 +96,7 @@ def test_a_consumer_that_steps_and_polls_sees_every_read_exact(producer):
             pending = {i: h for i, h in pending.items() if not h.done()}
         assert not pending, (f"reads not done after 15 s of steps (their timeout is 10 s): "
                              f"{ {f'step{i}': agent.status(f'step{i}').value for i in sorted(pending)} }, "
-                             f"{_stats(agent)}")
+                             f"{_stats(agent)}\n{threads_now()}")
         received = agent.finished().received
         assert received == {f"step{i}" for i in range(n)}
         for i in range(n):
