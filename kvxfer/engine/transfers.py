@@ -234,7 +234,10 @@ def _quarantine_error(error: KvxferError, blocks: list[int]) -> KvxferError:
     """``error`` for one quarantined request, naming its blocks (``quarantined_blocks``): a copy,
     since one error may fail several requests (a step's), each with its own blocks, and a request
     that ended cleanly with the same error has none."""
-    mine = copy.copy(error)
+    try:
+        mine = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an error that cannot be rebuilt from its args: name the blocks on it
+        mine = error
     mine.__cause__, mine.__context__ = error.__cause__, error.__context__
     mine.__suppress_context__, mine.__traceback__ = error.__suppress_context__, error.__traceback__
     mine.quarantined_blocks = blocks
