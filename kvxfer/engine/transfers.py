@@ -73,6 +73,11 @@ CALLER_GRACE = 0.0005
 #: the booking took the interpreter from that call in the middle of the step's launch.
 SUBMITTING = math.inf
 
+#: Seconds (on the engine's clock) a handle may stay pending after a poll first found its request
+#: ended before the engine's backstop completes it (``TransferEngine._orphaned``): the thread
+#: that ended the request completes the handle within microseconds, so a second means that was lost.
+ORPHAN_GRACE = 1.0
+
 _INT64 = np.dtype(np.int64)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -164,6 +169,8 @@ class _Request:
     # is, the request cannot end (a deadline or a cancel only fails it), so nothing launched can
     # outlive its handle; only ``_abandon`` ends it, once its deadline and the grace have passed.
     posters: int = 0
+    # When a poll first found it ended with its handle still pending (``_orphaned``).
+    orphan_seen: float | None = None
     # Until then (``time.monotonic``) the background driver leaves it to its caller's polls
     # (``SUBMITTING`` while the submitting call works on it, then ``CALLER_GRACE``); ``Agent.poll``,
     # a waiter and ``done()`` poll it at any time.
@@ -1013,10 +1020,17 @@ class TransferEngine:
 
     def _orphaned(self, req: _Request) -> None:
         """``req`` ended but its handle is still pending. The thread that ended it completes the
-        handle a moment later; only if that was lost (an engine bug) is the handle still pending
-        past its deadline and the grace: it completes here then, with the request's outcome, and
-        the loss is logged. No handle outlives its deadline whatever the engine's threads did."""
-        if req.handle._finished or req.deadline is None or self._clock.now() < req.deadline + self._grace:
+        handle a moment later (microseconds); only if that was lost (an engine bug, or a call on
+        that thread that does not return) is the handle still pending ``ORPHAN_GRACE`` after a
+        poll first saw it so: it completes here then, with the request's outcome, and the loss
+        is logged. No handle stays pending whatever the engine's threads did."""
+        if req.handle._finished:
+            return
+        now = self._clock.now()
+        if req.orphan_seen is None:
+            req.orphan_seen = now  # the thread that ended it may be completing it right now
+            return
+        if now < req.orphan_seen + ORPHAN_GRACE:
             return
         log.error("kvxfer engine: request %r ended (%s) without completing its handle; completed now",
                   req.handle.request_id, req.phase.value)

@@ -4,7 +4,8 @@ touches another's:
 * a request failed by another thread (an abort) just after a progress pass found its bytes in
   ends with that failure (the pass that drained it completes its handle; before, the handle
   stayed pending for ever);
-* the backstop: a handle whose request's end was lost completes by its deadline;
+* the backstop: a handle whose request's end was lost completes a second after a poll saw it so,
+  and never before (its ending thread may be completing it);
 * a pass that meets an ended request late leaves a newer request of the same id alone;
 * one error failing several requests names each one's own quarantined blocks."""
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.clock import ManualClock
-from kvxfer.engine.transfers import Part, TransferEngine
+from kvxfer.engine.transfers import ORPHAN_GRACE, Part, TransferEngine
 from kvxfer.errors import AbortedError
 from kvxfer.types import Direction, MemKind
 
@@ -76,20 +77,38 @@ def test_a_read_aborted_as_its_poll_finds_it_landed_fails_with_the_abort(monkeyp
 
 
 @pytest.mark.lost_completion
-def test_a_handle_whose_completion_was_lost_completes_by_its_deadline(monkeypatch, caplog):
-    """The backstop: were an engine bug to end a request without completing its handle, the
-    handle's next poll past its deadline and the grace completes it with the request's outcome
-    (and logs the loss), so no handle is left pending for ever."""
+def test_a_handle_whose_completion_was_lost_completes_a_second_after_a_poll_saw_it(monkeypatch, caplog):
+    """The backstop: were an engine bug to end a request without completing its handle, a poll
+    ``ORPHAN_GRACE`` after one first found it so completes it with the request's outcome (and
+    logs the loss), so no handle is left pending for ever; before that the thread that ended
+    the request may still be completing it, and nothing is done."""
     engine, clock = _engine()
     req = _posted(engine, clock, "r", [3], Landed())
     monkeypatch.setattr(engine, "_complete", lambda r: None)  # the completion is lost
     assert not req.handle.done() and req.finished and engine.in_flight() == 0
-    clock.advance(9)
-    assert not req.handle.done()  # before its deadline: the thread that ended it may still be at it
-    clock.advance(2)
+    assert not req.handle.done()  # the first poll that sees it: the ending thread may be at it
+    clock.advance(ORPHAN_GRACE / 2)
+    assert not req.handle.done() and "without completing" not in caplog.text
+    clock.advance(ORPHAN_GRACE)
     assert req.handle.done()
     assert req.handle.wait(0).request_id == "r"  # it had succeeded: its stats, no error
     assert "without completing its handle" in caplog.text
+
+
+def test_a_handle_completed_by_the_thread_that_ended_it_never_meets_the_backstop(caplog):
+    """A poll that meets a request ended a moment ago, its handle not yet completed by the
+    ending thread (a drain at the deadline, say), leaves it to that thread: no second
+    completion, nothing logged."""
+    engine, clock = _engine()
+    req = _posted(engine, clock, "r", [3], NeverLands())
+    engine.cancel("r", AbortedError("request 'r' aborted by the consumer"))
+    clock.advance(20)  # past its deadline and the grace
+    end = engine._drain(req, force=True)  # the ending thread, between the move and the completion
+    assert req.finished and not req.handle._finished
+    assert not req.handle.done()  # a poll now: left to that thread
+    end()
+    assert isinstance(req.handle.exception(), AbortedError)
+    assert "without completing" not in caplog.text
 
 
 def test_a_pass_that_meets_an_ended_request_late_leaves_its_retry_alone():
