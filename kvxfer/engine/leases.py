@@ -259,6 +259,12 @@ class LeaseTable:
             hold.done_by.add(consumer)
             hold.windows.pop(consumer, None)
             if len(hold.done_by) >= (hold.expected or 1):
+                if hold.open_windows(now):
+                    # Sent, but another claimant's read may still be moving: freed once it is done
+                    # or its window has passed, never under it (new claims are refused meanwhile).
+                    hold.ending = hold.ending or ReleaseReason.SENT
+                    self._look_at(request_id, _next_change(hold, now))
+                    return False
                 why = hold.ending or ReleaseReason.SENT
             elif hold.ending and not hold.open_windows(now):
                 why = hold.ending

@@ -247,3 +247,26 @@ def test_a_heartbeat_extends_a_hold_by_its_own_lease_not_the_tables():
     clock.advance(40.0)
     table.expire()
     assert released == [("short", "expired")]  # the long one lives by its own 50 s
+
+
+def test_a_done_never_frees_the_blocks_under_another_claimants_open_window():
+    """Two consumers read one hold that expects one done: the first done marks it sent, but the
+    blocks are freed only once the other claimant is done too, or its window has passed; new
+    claims are refused meanwhile (before, the first done freed the blocks under the second read)."""
+    table, clock, released = make(lease=10.0)
+    table.hold("r", [1, 2], num_blocks=4)
+    assert table.claim("r", "a", [1, 2], window=5.0).granted
+    assert table.claim("r", "b", [1, 2], window=5.0).granted
+    assert not table.done("r", "a")
+    assert released == [] and table.held("r") and table.state("r") is RequestState.ENDING
+    assert not table.claim("r", "c", [1]).granted
+    assert table.done("r", "b")
+    assert released == [("r", "sent")]
+    table.hold("s", [3], num_blocks=4)  # the other claimant never reports: its window's end frees
+    assert table.claim("s", "a", [3], window=5.0).granted
+    assert table.claim("s", "b", [3], window=2.0).granted
+    assert not table.done("s", "a")
+    clock.advance(1.9)
+    assert table.expire() == [] and released == [("r", "sent")]
+    clock.advance(0.2)
+    assert table.expire() == ["s"] and released[-1] == ("s", "sent")
