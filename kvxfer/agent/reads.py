@@ -173,7 +173,7 @@ class ReadFlow:
             return True
         routed = [r for r in reads if r.live and r.route is not None]
         if any(r.route.mode is TransferPath.STAGED for r in routed):
-            return False  # staged reads wait their turn on the lane (see ``_start_staged``)
+            return False  # staged reads wait their turn on the lane (see ``_wait_turn``)
         if not routed:
             return True
         routed = self._start_tokened(routed, links)  # issue 35: reads by their hold token claim nothing
@@ -411,7 +411,7 @@ class ReadFlow:
 
     def _send_packs(self, reads: list[PendingRead]) -> None:
         """Send a lone staged read's pack requests right behind its claim (several staged reads
-        of a batch run one after another, see ``_start_staged``: their packs go then)."""
+        of a batch run one after another, see ``_wait_turn``: their packs go then)."""
         agent = self._agent
         staged = [r for r in reads if r.route.mode is TransferPath.STAGED and r.live]
         if len(staged) == 1:
@@ -586,16 +586,24 @@ class ReadFlow:
             if r.route.mode is TransferPath.DIRECT:
                 direct.append(r)
             elif r.route.mode is TransferPath.STAGED:
-                try:
-                    parts = self._start_staged(r, previous)
-                except KvxferError as exc:
-                    claims.give_back(r.request_id)
-                    self._fail(r, exc)
-                    continue
-                previous = r
-                for link, part in zip(r.route.links, parts):
-                    part.on_done = partial(agent.done.send, link, r.request_id)
-                with agent.engine.posting([r.req]):
+                self._wait_turn(r, previous)
+                # Marked as being posted from before its pipeline starts until it is attached: it
+                # cannot end meanwhile (an abort or its deadline only fails it), so no pipeline
+                # writes into blocks whose read has ended.
+                with agent.engine.posting([r.req]) as live:
+                    if not live:  # ended while it waited its turn: nothing starts
+                        agent.paths.drop_packs(r.route)
+                        claims.give_back(r.request_id)
+                        continue
+                    try:
+                        parts = agent.paths.start(r.route, r.timeout, self._time_left([r]))
+                    except KvxferError as exc:
+                        claims.give_back(r.request_id)
+                        self._fail(r, exc)
+                        continue
+                    previous = r
+                    for link, part in zip(r.route.links, parts):
+                        part.on_done = partial(agent.done.send, link, r.request_id)
                     self._attach(r, parts, started=True)
             agent.engine.grant(r.req, claim_seconds=claimed)
             if r.route.mode is TransferPath.STAGED:
@@ -611,18 +619,18 @@ class ReadFlow:
         if kernels or previous is not None or direct:
             agent.wake.set()
 
-    def _start_staged(self, r: PendingRead, previous: PendingRead | None) -> list:
-        """Start a granted staged read. Staged reads of one batch run one after another: each
-        pipeline holds staging slots on both sides while it waits for the other side's, so two
-        started at once could each hold what the other needs until their deadlines."""
-        agent = self._agent
-        if previous is not None:
-            left = None if r.deadline is None else max(0.0, r.deadline - agent.clock.now())
-            try:
-                previous.req.handle.wait(left)
-            except KvxferError:
-                pass  # it failed or is still running: either way this one waited its turn
-        return agent.paths.start(r.route, r.timeout, self._time_left([r]))
+    def _wait_turn(self, r: PendingRead, previous: PendingRead | None) -> None:
+        """Before a granted staged read starts, the batch's previous one ends (at most until
+        ``r``'s deadline). Staged reads of one batch run one after another: each pipeline holds
+        staging slots on both sides while it waits for the other side's, so two started at once
+        could each hold what the other needs until their deadlines."""
+        if previous is None:
+            return
+        left = None if r.deadline is None else max(0.0, r.deadline - self._agent.clock.now())
+        try:
+            previous.req.handle.wait(left)
+        except KvxferError:
+            pass  # it failed or is still running: either way this one waited its turn
 
     # ---- helpers -----------------------------------------------------------------
     def _fail(self, r: PendingRead, exc: KvxferError) -> None:
