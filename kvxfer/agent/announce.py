@@ -58,6 +58,31 @@ class AnnouncementBook:
         self._lock = threading.Lock()
         self._by_request: OrderedDict[str, dict[str, tuple[float, Announcement]]] = OrderedDict()
         self._max_age, self._limit, self._clock = max_age, limit, clock
+        # this producer's write streams still open, by (request, consumer rank's address): a
+        # consumer's abort stops them (``stop_streams``)
+        self._streams: dict[tuple[str, tuple[str, int]], list] = {}
+
+    def opened(self, request_id: str, remote: tuple[str, int], stream) -> None:
+        """``stream`` (a ``WriteStream``) pushes ``request_id`` to ``remote`` until ``closed``."""
+        with self._lock:
+            self._streams.setdefault((request_id, remote), []).append(stream)
+
+    def closed(self, request_id: str, remote: tuple[str, int], stream) -> None:
+        with self._lock:
+            streams = self._streams.get((request_id, remote), [])
+            if stream in streams:
+                streams.remove(stream)
+            if not streams:
+                self._streams.pop((request_id, remote), None)
+
+    def stop_streams(self, request_id: str, remote: tuple[str, int]) -> int:
+        """The consumer at ``remote`` aborted ``request_id``: every stream of it there fails, posts
+        no further chunk, and cancels those not yet posted; returns how many were open."""
+        with self._lock:
+            streams = list(self._streams.get((request_id, remote), []))
+        for stream in streams:
+            stream.stop(aborted_error(request_id))
+        return len(streams)
 
     def add(self, ann: Announcement) -> None:
         """Record ``ann``; a consumer engine announcing the same request again replaces its first."""
@@ -80,16 +105,17 @@ class AnnouncementBook:
             per = self._by_request.get(request_id, {})
             return tuple(ann for _, ann in per.values())
 
-    def cancel(self, request_id: str, engine_id: str) -> bool:
-        """Drop ``engine_id``'s announcement of ``request_id`` (its abort); True if there was one."""
+    def cancel(self, request_id: str, engine_id: str) -> Announcement | None:
+        """Drop ``engine_id``'s announcement of ``request_id`` (its abort); returns it, or None if
+        there was none."""
         with self._lock:
             per = self._by_request.get(request_id)
             if not per or engine_id not in per:
-                return False
-            del per[engine_id]
+                return None
+            _, ann = per.pop(engine_id)
             if not per:
                 del self._by_request[request_id]
-            return True
+            return ann
 
     def forget(self, request_id: str) -> None:
         """Drop every announcement of ``request_id`` (the producer is done with it)."""

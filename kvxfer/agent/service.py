@@ -130,7 +130,9 @@ class ProducerService:
             alive, gone = leases.heartbeat(message.request_ids, message.engine_id)
             return HeartbeatAck(alive, gone)
         if isinstance(message, Abort):
-            if self._agent.announced.cancel(message.request_id, message.engine_id):  # a push not yet ended
+            ann = self._agent.announced.cancel(message.request_id, message.engine_id)
+            if ann is not None:  # a push not yet ended: its streams to that consumer stop here
+                self._agent.announced.stop_streams(message.request_id, ann.remote)
                 self._agent.reports.released(message.request_id, ReleaseReason.ABORTED.value)
                 return Ack(released=True)
             if not leases.may_act(message.request_id, message.engine_id):  # the hold names other engines

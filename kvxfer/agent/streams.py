@@ -53,6 +53,8 @@ class WriteStream:
         self._ending = False                 # WritesDone queued
         self._started = time.perf_counter()
         self._deadline = deadline_for(timeout, agent.clock.now())
+        agent.announced.opened(request_id, remote, self)  # until it ends: a consumer's abort stops it
+        self.handle._add_callback(lambda _: agent.announced.closed(request_id, remote, self))
 
     @property
     def writes(self) -> int:
@@ -117,6 +119,18 @@ class WriteStream:
                 self._agent.lanes.put(self.remote, _WritesDoneJob(self, message))
             except RuntimeError:
                 pass
+
+    def stop(self, error: KvxferError) -> None:
+        """The consumer aborted the request: fail the stream (no further chunk may be written) and
+        cancel its chunks, so those not yet posted never go; those in flight end on their own
+        handles once their transfers have ended. Nothing is told to the consumer (it asked)."""
+        self.abort(error, tell=False)
+        with self._lock:
+            chunks = list(self._chunks)
+        for chunk in chunks:
+            if not chunk.done():
+                self._agent.engine.cancel(chunk.request_id, error)
+        self._agent.wake.set()
 
     def done(self) -> bool:
         return self.handle.done()

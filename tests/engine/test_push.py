@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer import BlockIdError, ConfigError, RequestState, TransferFailedError, TransferTimeoutError
+from kvxfer import (BlockIdError, ConfigError, LeaseExpiredError, RequestState, TransferFailedError,
+                    TransferTimeoutError)
 from kvxfer.protocol import MAX_PAYLOAD
 
 from agent_helpers import spec, wait_for
@@ -167,3 +168,27 @@ def test_many_chunks_completing_inside_one_another_s_poll_end_the_stream_once(ha
     assert wait_for(lambda: cons.status("r") is RequestState.RECEIVED)
     for layer in range(s.num_layers):
         np.testing.assert_array_equal(ccache[layer][:, :32], pcache[layer][:, :32])
+
+
+def test_a_consumer_abort_stops_the_producers_open_stream(harness):
+    """The consumer aborts a push while the producer's stream is open: the stream fails with the
+    abort and posts no further chunk (a later ``write`` raises, and nothing of it lands in the
+    consumer's blocks). Before, the producer only forgot the announcement and kept pushing into
+    those blocks. (A chunk already posted may still land: docs/api.md, "Consumer-first push".)"""
+    s = spec()
+    cons, ccache = harness.agent(s, seed=2)
+    prod, _ = harness.agent(s, seed=1)
+    cons.announce(prod.address, "r", [7, 0, 9, 4])
+    ann = _announced(prod, "r")
+    stream = prod.open_writes(ann.remote, "r")
+    stream.write([1, 2], ann.block_ids[:2]).wait(5)  # the first chunk landed
+    before = [layer[:, [9, 4]].copy() for layer in ccache]
+    cons.abort("r", remote=prod.address)
+    with pytest.raises(LeaseExpiredError, match="aborted by the consumer"):
+        stream.handle.wait(5)
+    with pytest.raises(LeaseExpiredError, match="aborted by the consumer"):
+        stream.write([3, 5], ann.block_ids[2:])
+    time.sleep(0.1)
+    assert prod.status("r") is RequestState.ABORTED
+    for layer, old in zip(ccache, before):          # nothing of the refused chunk landed
+        np.testing.assert_array_equal(layer[:, [9, 4]], old)
