@@ -326,7 +326,7 @@ class ReadFlow:
                         r.sent = None
                 return
             stale = [r for r in pending if r.route is not None and not _same(r.route.links, links)]
-            for r in stale:  # routed on links replaced since: again (a kernel is launched again below)
+            for r in stale:  # routed on links replaced since: again (one launched already fails below)
                 r.route = None
             routed = [r for r in pending if r.route is not None or self._route(r, links)]
             kept = {id(r) for r in routed}
@@ -351,7 +351,7 @@ class ReadFlow:
                 for r in lost:
                     self._fail(r, r.sent_error)
             sent = [r for r in routed if r not in lost]
-            # a kernel launched again on fresh links runs after the first one (one stream)
+            # IPC reads not launched yet (one launched on links since replaced fails typed there)
             self._launch_ipc([r for r in sent if r.route.mode is TransferPath.IPC and r.launched is not r.route])
             self._send_packs(sent)
             self._settle(sent, links)
@@ -387,8 +387,8 @@ class ReadFlow:
 
     def _claim(self, reads: list[PendingRead], links: list) -> list[PendingRead]:
         """Send every read's claim (one message per rank); returns the reads whose claim could not
-        even be sent because the peer was lost (they may retry: a kernel already launched is
-        launched again on the fresh links, after the first on the same stream)."""
+        even be sent because the peer was lost (they may retry on fresh links; one whose kernel
+        was launched already fails typed instead, ``_launch_ipc``)."""
         claims = self._agent.claims
         try:
             wait = self._time_left(reads)
@@ -425,6 +425,12 @@ class ReadFlow:
         """One pair-copy launch per producer rank for every IPC read of the batch, one event
         (``ReadPaths.launch_ipc``); the step's reads attach their members of it in one pass
         (``TransferEngine.attach_step``), not granted (a claim's answer or a token grants them)."""
+        again = [r for r in reads if r.launched is not None]
+        for r in again:  # its first kernel is its request's part: a second cannot be attached to it
+            self._fail(r, PeerLostError(
+                f"request {r.request_id!r}: its producer's links changed after its kernel was launched "
+                "(a restart, a lost session): read it again"))
+        reads = [r for r in reads if r.launched is None]
         if not reads:
             return
         agent, engine = self._agent, self._agent.engine
