@@ -37,6 +37,7 @@ where waiting costs one round trip and leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -343,7 +344,7 @@ class ReadFlow:
                     r for r in routed if r.sent is not None]
                 if not routed:
                     return
-            lost = self._claim([r for r in routed if r.sent is None], links + notify_only)
+            lost = self._claim([r for r in routed if r.sent is None], links + notify_only, retry=attempt == 1)
             if lost and attempt == 1:
                 for link in links + notify_only:
                     self._agent.peers.drop(link)
@@ -385,7 +386,7 @@ class ReadFlow:
             self._fail(r, exc)
             return False
 
-    def _claim(self, reads: list[PendingRead], links: list) -> list[PendingRead]:
+    def _claim(self, reads: list[PendingRead], links: list, retry: bool = False) -> list[PendingRead]:
         """Send every read's claim (one message per rank); returns the reads whose claim could not
         even be sent because the peer was lost (they may retry on fresh links; one whose kernel
         was launched already fails typed instead, ``_launch_ipc``)."""
@@ -404,7 +405,16 @@ class ReadFlow:
             r.sent = sent
             errors = [p for _, p in sent if isinstance(p, PeerLostError)]
             if errors:
-                claims.undo(r.request_id, [(lk, p) for lk, p in sent if not isinstance(p, KvxferError)])
+                survived = [(lk, p) for lk, p in sent if not isinstance(p, KvxferError)]
+                if retry:
+                    # Its retry claims these ranks again (the same engines, so the same windows):
+                    # their answers are taken here and nothing is given back. A give-back queued
+                    # now would reach the producer after the retry's grant and close its window
+                    # under the retry's read.
+                    with contextlib.suppress(KvxferError):
+                        claims.answers(r.request_id, survived)
+                else:
+                    claims.undo(r.request_id, survived)
                 r.sent, r.sent_error = None, errors[0]  # claimed again on fresh links, or failed
                 lost.append(r)
         return lost
