@@ -13,11 +13,16 @@ import logging
 import threading
 from typing import Callable, Hashable
 
+from kvxfer.errors import ClosedError
 from kvxfer.starter import join_started, start_soon
 
-__all__ = ["PeerLanes"]
+__all__ = ["LanesClosed", "PeerLanes"]
 
 log = logging.getLogger("kvxfer.agent")
+
+
+class LanesClosed(ClosedError, RuntimeError):
+    """Work queued after the lanes closed (the agent closed under the call that queued it)."""
 
 
 class _Lane:
@@ -52,7 +57,8 @@ class PeerLanes:
         """Queue ``item`` on ``key``'s lane (never blocks on any peer).
 
         Raises:
-            RuntimeError: after ``close``.
+            LanesClosed: after ``close`` (a ``ClosedError`` for the public calls that queue
+                work here, and a ``RuntimeError`` for kvxfer's own callers that drop it).
         """
         self.put_many(key, [item])
 
@@ -61,7 +67,7 @@ class PeerLanes:
         the batch that is about to start, with anything queued before them)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("peer lanes are closed")
+                raise LanesClosed("the agent is closed: its peer lanes take no more work")
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _Lane(self._lock)

@@ -5,7 +5,10 @@ through ``crashed`` and the lane lives on."""
 import threading
 import time
 
+import pytest
+
 from kvxfer.agent.lanes import PeerLanes
+from kvxfer.errors import ClosedError
 
 
 def test_each_peers_work_runs_in_order_on_its_own_thread_and_batches_while_busy():
@@ -74,3 +77,15 @@ def test_a_batch_that_raises_is_failed_through_crashed_and_the_lane_goes_on():
         assert ran.wait(5)
     finally:
         lanes.close()
+
+
+def test_work_queued_after_close_is_a_closed_error():
+    """A call that queues work on a lane as the agent closes under it (``abort(wait=False)``, a
+    write, an announce) raises ``ClosedError``, as its docs say; kvxfer's own callers that drop
+    such work still catch it as before."""
+    lanes = PeerLanes("t", lambda key, items: None)
+    lanes.close()
+    with pytest.raises(ClosedError, match="closed"):
+        lanes.put(("h", 1), object())
+    with pytest.raises(RuntimeError):
+        lanes.put_many(("h", 1), [object()])
