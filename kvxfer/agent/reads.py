@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from kvxfer.agent.parts import AgentParts
     from kvxfer.agent.peers import PeerLink
 
-__all__ = ["PendingRead", "ReadFlow", "ReadStep", "links_for", "rank_port", "ready_links"]
+__all__ = ["PendingRead", "ReadFlow", "ReadStep", "links_for", "rank_port", "ready_links", "stranded"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -360,17 +360,18 @@ class ReadFlow:
 
     def _settle_crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
         """Settling ``reads`` raised something unexpected (a bug), on whichever thread polled:
-        logged, and every one of them not yet posted fails typed now rather than by its
-        deadline; those posted end with their transfers. Their producer's window lapses by
-        itself (the hold stays for a retry)."""
+        logged, and every one of them left stranded (``stranded``) fails typed now rather than
+        by its deadline; those granted and posted end with their transfers. Their producer's
+        window lapses by itself (the hold stays for a retry)."""
         log.error("kvxfer: settling a step's reads raised; the reads not yet posted fail", exc_info=exc)
         error = TransferFailedError(f"internal error while its claim's answer was taken: {exc!r}")
-        self._fail_all([r for r in reads if r.live and not r.req.posted], error)
+        self._fail_all([r for r in reads if stranded(r)], error)
 
     def crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
-        """The lane's batch raised something unexpected: fail what it left unfinished."""
+        """The lane's batch (or a step's routing or launch) raised something unexpected: fail what
+        it left stranded (``stranded``); reads granted and posted go on and end with their transfers."""
         error = exc if isinstance(exc, KvxferError) else ClosedError(f"read failed: {exc!r}")
-        self._fail_all([r for r in reads if r.live], error)
+        self._fail_all([r for r in reads if stranded(r)], error)
 
     # ---- steps -------------------------------------------------------------------
     def _route(self, r: PendingRead, links: list) -> bool:
@@ -720,6 +721,14 @@ class ReadStep:
             return not self._open
         finally:
             self._lock.release()
+
+
+def stranded(r: PendingRead) -> bool:
+    """Whether ``r`` can no longer move on by itself after the code driving it raised: live and
+    not both granted and posted (a granted, posted read completes as its transfer does; any
+    other waits for a step that will not come, so it fails typed at once, and one already
+    launched ends with its kernel)."""
+    return r.live and not (r.req.posted and r.req.granted)
 
 
 def _one_post(route) -> bool:

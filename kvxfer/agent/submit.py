@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
-from kvxfer.agent.reads import PendingRead, ready_links
+from kvxfer.agent.reads import PendingRead, ready_links, stranded
 from kvxfer.agent.tokens import tag_error
 from kvxfer.agent.writes import PendingWrite, run_writes
 from kvxfer.engine.handles import TransferHandle
@@ -197,12 +197,13 @@ class Submissions:
                 item.run(agent)
 
     def lane_crashed(self, items: list, exc: BaseException) -> None:
-        """A lane's batch raised something unexpected: fail every item of it, typed."""
+        """A lane's batch raised something unexpected: fail every item of it that cannot move on
+        by itself, typed (a read granted and posted completes as its transfer does)."""
         agent = self._agent
         error = exc if isinstance(exc, KvxferError) else TransferFailedError(f"internal error: {exc!r}")
         for item in items:
             if isinstance(item, LaneJob):
                 item.fail(error)
-            else:
+            elif not isinstance(item, PendingRead) or stranded(item):
                 agent.engine.fail(item.req, error)
         agent.wake.set()

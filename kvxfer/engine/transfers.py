@@ -380,6 +380,8 @@ class TransferEngine:
                                  phase=Phase.GRANTED if granted else Phase.RESERVED, fresh_until=fresh,
                                  on_end=on_end))
         with self._lock:
+            if self._closed:  # again, under the lock: ``close`` takes its list of requests after setting it
+                raise ClosedError("transfer engine is closed")
             seen: set[str] = set()
             for req in reqs:
                 request_id = req.handle.request_id

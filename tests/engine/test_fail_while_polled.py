@@ -7,14 +7,15 @@ touches another's:
 * the backstop: a handle whose request's end was lost completes a second after a poll saw it so,
   and never before (its ending thread may be completing it);
 * a pass that meets an ended request late leaves a newer request of the same id alone;
-* one error failing several requests names each one's own quarantined blocks."""
+* one error failing several requests names each one's own quarantined blocks;
+* a request booked as the engine closes is refused, never left where ``close`` cannot find it."""
 
 import pytest
 
 from kvxfer.backend.fake import FakeBackend, FakeWorld
 from kvxfer.clock import ManualClock
 from kvxfer.engine.transfers import ORPHAN_GRACE, Part, TransferEngine
-from kvxfer.errors import AbortedError
+from kvxfer.errors import AbortedError, ClosedError
 from kvxfer.types import Direction, MemKind
 
 
@@ -152,3 +153,28 @@ def test_one_error_failing_several_requests_names_each_ones_quarantined_blocks()
     assert got == {"q1": [1, 2], "q2": [5], "ok": None}
     assert all(isinstance(req.handle.exception(), AbortedError) for req in reqs)
     assert engine.quarantined() == {"q1": [1, 2], "q2": [5]}
+
+
+def test_a_request_booked_as_the_engine_closes_is_refused_not_left_behind(monkeypatch):
+    """``close`` fails every request it finds; one booked between its flag and its list of
+    requests would be found by nobody (with no deadline, a handle pending for ever). Booking
+    checks the flag again under the engine's lock, so it is refused instead."""
+    engine, clock = _engine()
+    checked = []
+    real_lock = engine._lock
+
+    class CloseOnEnter:  # ``close`` runs just after the booking's first check
+        def __enter__(self):
+            if not checked:
+                checked.append(True)
+                engine._closed = True  # what ``close`` does first
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    monkeypatch.setattr(engine, "_lock", CloseOnEnter())
+    with pytest.raises(ClosedError):
+        engine.reserve_many([("late", None, [3])], Direction.READ, granted=True)
+    monkeypatch.setattr(engine, "_lock", real_lock)
+    assert engine.in_flight() == 0
