@@ -363,9 +363,8 @@ class ReadFlow:
         logged, and every one of them left stranded (``stranded``) fails typed now rather than
         by its deadline; those granted and posted end with their transfers. Their producer's
         window lapses by itself (the hold stays for a retry)."""
-        log.error("kvxfer: settling a step's reads raised; the reads not yet posted fail", exc_info=exc)
-        error = TransferFailedError(f"internal error while its claim's answer was taken: {exc!r}")
-        self._fail_all([r for r in reads if stranded(r)], error)
+        log.error("kvxfer: settling a step's reads raised; the reads it left stranded fail", exc_info=exc)
+        self.crashed(reads, TransferFailedError(f"internal error while its claim's answer was taken: {exc!r}"))
 
     def crashed(self, reads: list[PendingRead], exc: BaseException) -> None:
         """The lane's batch (or a step's routing or launch) raised something unexpected: fail what

@@ -364,8 +364,6 @@ class TransferEngine:
         ``caller_polls``: the submitting thread polls them first; the background driver leaves
         them to it until ``submitted`` and for ``CALLER_GRACE`` after. ``on_end(handles)``: called
         for these requests once they end, either way (``_Request.on_end``)."""
-        if self._closed:
-            raise ClosedError("transfer engine is closed")
         now = time.perf_counter()
         fresh = SUBMITTING if caller_polls else 0.0
         reqs = []
@@ -380,7 +378,7 @@ class TransferEngine:
                                  phase=Phase.GRANTED if granted else Phase.RESERVED, fresh_until=fresh,
                                  on_end=on_end))
         with self._lock:
-            if self._closed:  # again, under the lock: ``close`` takes its list of requests after setting it
+            if self._closed:  # under the lock: ``close`` takes its list of requests after setting it
                 raise ClosedError("transfer engine is closed")
             seen: set[str] = set()
             for req in reqs:

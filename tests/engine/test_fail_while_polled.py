@@ -32,17 +32,11 @@ class Landed:
         return True  # done: nothing it started writes any more
 
 
-class NeverLands:
+class NeverLands(Landed):
     """A posted transfer that never lands; cancelling it ends it at once."""
-
-    notifies = False
-    num_bytes, descriptors = 64, 1
 
     def poll(self) -> bool:
         return False
-
-    def cancel(self) -> bool:
-        return True
 
 
 def _posted(engine, clock, rid, blocks, job):
