@@ -705,11 +705,8 @@ class Agent:
         (``finished``, ``status``). Runs on the completing thread, once their handles are complete
         and before their own done-callbacks (``TransferEngine``'s ``on_end``)."""
         parts = self._parts  # once: each ``_part`` property is a call
-        ids = [handle.request_id for handle in handles]
-        remotes = parts.read_remotes
-        for request_id in ids:
-            remotes.pop(request_id, None)
-        parts.claims.pop_many(ids)
+        parts.read_remotes.forget(handles)
+        parts.claims.pop_many([handle.request_id for handle in handles])
         parts.reports.reads_done(handles)
 
     def _on_hold(self, request_id: str, ids, named: tuple) -> None:  # inside the lease table's lock

@@ -16,7 +16,38 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["AgentParts", "Submitting"]
+__all__ = ["AgentParts", "ReadRemotes", "Submitting"]
+
+
+class ReadRemotes:
+    """The producer of each read in flight, by request id (``abort`` without a ``remote`` tells it;
+    idle links to its host are kept). An entry leaves with its own read: a read that ends does not
+    take the entry of a newer read of the same id, submitted since."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, tuple[tuple[str, int], object]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, request_id: str, remote: tuple[str, int], handle: object) -> None:
+        with self._lock:
+            self._by_id[request_id] = (remote, handle)
+
+    def get(self, request_id: str) -> tuple[str, int] | None:
+        entry = self._by_id.get(request_id)
+        return None if entry is None else entry[0]
+
+    def forget(self, handles: list) -> None:
+        """The reads of ``handles`` ended: drop their own entries."""
+        with self._lock:
+            by_id = self._by_id
+            for handle in handles:
+                entry = by_id.get(handle.request_id)
+                if entry is not None and entry[1] is handle:
+                    del by_id[handle.request_id]
+
+    def hosts(self) -> set[str]:
+        with self._lock:
+            return {remote[0] for remote, _ in self._by_id.values()}
 
 
 class Submitting:
@@ -65,7 +96,7 @@ class AgentParts:
         self.submit: Any = None           # read/write submission (agent.submit.Submissions)
         self.lanes: Any = None            # one thread per producer (agent.lanes.PeerLanes)
         self.metrics: Any = None          # the Prometheus endpoint, or None
-        self.read_remotes: dict[str, tuple[str, int]] = {}  # reads in flight -> their producer
+        self.read_remotes = ReadRemotes()  # reads in flight -> their producer
         # set by register()
         self.view: Any = None             # the registered cache (layout.CacheView)
         self.paths: Any = None            # transfer paths and the staged reads' packer (engine.readpaths)

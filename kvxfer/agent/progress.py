@@ -110,7 +110,7 @@ def forget_idle_peers(agent: "AgentParts", ttl: float) -> None:
     except those a read of this agent may still use: one with parts on that peer (in flight or
     quarantined), or one in flight to that host and not yet posted."""
     in_use = agent.engine.peers_in_use() if agent.engine is not None else set()
-    hosts = {host for host, _ in list(agent.read_remotes.values())}
+    hosts = agent.read_remotes.hosts()
     for link in agent.peers.forget_idle(ttl, lambda link: link.agent_name in in_use or link.host in hosts):
         log.info("kvxfer: forgot %s at %s:%d, unused for %.0f s (peer_idle_ttl); a later read handshakes afresh",
                  link.engine_id, link.host, link.port, ttl)

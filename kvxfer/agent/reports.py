@@ -77,6 +77,9 @@ class AgentStats:
     express_lanes: int = 0
 
 
+#: A producer hold's end states: a notice of such a request is a late read's, not a write.
+_HOLD_ENDED = frozenset({RequestState.SENT, RequestState.ABORTED, RequestState.EXPIRED})
+
 #: How many ended requests ``Agent.status`` remembers (the oldest is forgotten first).
 STATUS_MEMORY = 10_000
 
@@ -192,9 +195,17 @@ class Reports:
 
     def write_arrived(self, request_id: str, producer: str) -> None:
         """One write of ``request_id`` by ``producer`` (an engine id) completed here; the request is
-        received once every expected producer completed every expected write."""
+        received once every expected producer completed every expected write. A notice of a
+        request whose hold here ended (sent, aborted, expired) and that expects no writes is a
+        late read's done notice: dropped."""
         with self._lock:
             if request_id in self._cancelled:
+                return
+            if request_id not in self._expected_writes and self._ended.get(request_id) in _HOLD_ENDED:
+                # a read's done notice that came after this agent's hold of the request ended (an
+                # abort, an expiry): not a write, and the hold's report stands
+                log.debug("a done notice of %r after its hold ended (%s): dropped", request_id,
+                          self._ended[request_id].value)
                 return
             counts = self._writes.setdefault(request_id, {})
             counts[producer] = counts.get(producer, 0) + 1

@@ -96,7 +96,7 @@ class Submissions:
         handles = []
         for read, req in zip(pending, reqs):
             read.req = req
-            agent.read_remotes[read.request_id] = read.remote
+            agent.read_remotes.add(read.request_id, read.remote, req.handle)
             handles.append(req.handle)
             if read.token is not None:  # a token of another request or other ids: fails before anything moves
                 wrong = tag_error(read.request_id, read.token, read.remote_ids)
