@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--prof-wait", action="store_true", help="cProfile the waits only")
     ap.add_argument("--prof-pre", action="store_true", help="cProfile the call up to the step's first post or launch")
     ap.add_argument("--sort", default="tottime", help="the profile's order (tottime, cumulative, ncalls)")
+    ap.add_argument("--dump", default="", help="also write the profile to this file (pstats)")
     args = ap.parse_args()
     first_move = _watch_first_move()
     profile = None
@@ -151,6 +152,8 @@ def main() -> None:
         import pstats
 
         stats = pstats.Stats(profile)
+        if args.dump:
+            stats.dump_stats(args.dump)
         print(f"{stats.total_calls / args.n:.0f} Python calls a step (profiled)")
         stats.sort_stats(args.sort).print_stats(30)
 
