@@ -92,10 +92,11 @@ class Claims:
         return out
 
     def try_send_many(self, items: list[tuple[str, np.ndarray, float]], link: PeerLink,
-                      timeout: float) -> list[list] | None:
+                      timeout: float, lane: tuple | None = None) -> list[list] | None:
         """``send_many`` to one rank, only where that cannot wait on the peer (``PeerLink.try_send``):
-        the ``sent`` lists, or None with nothing sent (then ``send_many`` does it)."""
-        self._note_lanes(items, _key(link))
+        the ``sent`` lists, or None with nothing sent (then ``send_many`` does it). ``lane``: as
+        ``send``'s (the producer instance's lane key; default: this rank's)."""
+        self._note_lanes(items, lane if lane is not None else _key(link))
         claims = self._claims(items, bool(link.info.packed_ids))
         batch = link.info.batch_claims and len(claims) > 1
         if not batch and len(claims) > 1:
@@ -247,7 +248,17 @@ class _SharedReply:
         return reply.replies[index]
 
     def ready(self, wait: float = 0.0) -> bool:
-        return self._reply is not None or isinstance(self._pending, KvxferError) or self._pending.ready(wait)
+        """Whether ``reply`` returns at once. False while another thread is taking the answer: it
+        may be waiting on the peer (a give-back of one claim of the batch, on its lane), and a
+        poller of another claim must not queue behind it."""
+        if self._reply is not None or isinstance(self._pending, KvxferError):
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._reply is not None or self._pending.ready(wait)
+        finally:
+            self._lock.release()
 
     def cancel(self) -> None:
         self._pending.cancel()
@@ -273,7 +284,12 @@ class _NthReply:
 
 
 def _key(link: PeerLink) -> tuple:
-    return (link.host, link.port)
+    """The lane key of ``link``'s producer instance: its rank 0's address (ranks use consecutive
+    ports, ``rank_port``), the key its reads queue under, so a give-back runs in order with them
+    whichever rank it is for."""
+    spec = getattr(link, "spec", None)
+    rank = getattr(spec, "tp_rank", 0) if spec is not None else 0
+    return (link.host, link.port - rank)
 
 
 def _answer(pending):

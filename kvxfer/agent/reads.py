@@ -189,7 +189,7 @@ class ReadFlow:
         self.launch(routed)
         try:
             sent = agent.claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in routed],
-                                               links[0], wait)
+                                               links[0], wait, lane=remote)
         except KvxferError:
             sent = None  # the lane's own send meets it again and reports it
         if sent is None:
@@ -401,7 +401,8 @@ class ReadFlow:
         for r in reads:
             r.claim_started = started
         lost = []
-        for r, sent in zip(reads, claims.send_many(items, links, timeout=wait)):
+        lane = reads[0].remote if reads else None  # give-backs run on the lane these reads run on
+        for r, sent in zip(reads, claims.send_many(items, links, timeout=wait, lane=lane)):
             r.sent = sent
             errors = [p for _, p in sent if isinstance(p, PeerLostError)]
             if errors:

@@ -529,7 +529,9 @@ class TransferEngine:
             self._attach_running(req, req_parts, mode, setup, group)
 
     def grant(self, req: "_Request", claim_seconds: float = 0.0) -> None:
-        """The request's producers granted its claim: it may succeed once its parts are done."""
+        """The request's producers granted its claim: it may succeed once its parts are done. A
+        grant taken after the request's deadline, its bytes in already, fails it as a poll would
+        (``_poll``): success is reported only inside the read's window."""
         with req.lock:
             req.stats.claim_seconds = claim_seconds
             with self._lock:
@@ -539,6 +541,11 @@ class TransferEngine:
                 if not landed:
                     req.move(Event.GRANT)
         if landed:
+            if req.deadline is not None and self._clock.now() >= req.deadline:
+                self._fail(req, TransferTimeoutError(
+                    f"request {req.handle.request_id!r}: its producers had not granted the claim when its "
+                    "deadline passed"))
+                return
             self._succeed(req, Event.GRANT)  # its bytes were in already: the grant completes it
         if req.posted:
             req.handle._nudge()  # a waiter may poll it now (not before its post: nothing to poll)

@@ -107,7 +107,7 @@ class ExpressLane:
         self._send_lock = threading.Lock()
         self._state = threading.Condition()
         self._ids = itertools.count(1)
-        self._waiting: set[int] = set()
+        self._waiting: dict[int, float] = {}  # request id -> its deadline (time.monotonic)
         self._replies: dict[int, bytes] = {}
         self._failed: dict[int, KvxferError] = {}
         self._leader = False
@@ -125,7 +125,7 @@ class ExpressLane:
         try:
             deadline = time.monotonic() + timeout
             with self._state:
-                self._waiting.add(0)
+                self._waiting[0] = deadline
             self._send_all(frame(0, ATTACH + identity), deadline)
             answer = self._await(0, timeout, deadline)
             if answer != ATTACHED:
@@ -154,12 +154,12 @@ class ExpressLane:
             if self._error is not None:
                 raise _again(self._error)
             request_id = next(self._ids)
-            self._waiting.add(request_id)
+            self._waiting[request_id] = deadline
         try:
             self._send_all(frame(request_id, payload), deadline)
         except KvxferError:
             with self._state:
-                self._waiting.discard(request_id)
+                self._waiting.pop(request_id, None)
                 self._failed.pop(request_id, None)
             raise
         return LanePending(self, request_id, timeout, deadline)
@@ -171,12 +171,13 @@ class ExpressLane:
         waits only if the socket filled up in between (a peer that stopped reading)."""
         if len(payload) > self._max or not self._send_lock.acquire(blocking=False):
             return None
+        deadline = time.monotonic() + timeout
         try:
             with self._state:
                 if self._error is not None:
                     return None
                 request_id = next(self._ids)
-                self._waiting.add(request_id)
+                self._waiting[request_id] = deadline
             data = frame(request_id, payload)
             try:
                 # Only into a socket with room for the whole frame, with margin: a partly sent
@@ -186,9 +187,8 @@ class ExpressLane:
                 sent = 0  # nothing written: ``send`` (on another thread) meets the same and reports it
             if not sent:
                 with self._state:
-                    self._waiting.discard(request_id)
+                    self._waiting.pop(request_id, None)
                 return None
-            deadline = time.monotonic() + timeout
             if sent < len(data):  # rare (a socket nearly full): finish it, but never wait long here
                 self._send_rest(memoryview(data)[sent:], min(deadline, time.monotonic() + TRY_SEND_REST))
         finally:
@@ -242,7 +242,7 @@ class ExpressLane:
                     raise _again(self._error)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._waiting.discard(request_id)
+                    self._waiting.pop(request_id, None)
                     break
                 if self._leader:
                     self._state.wait(remaining)
@@ -275,10 +275,16 @@ class ExpressLane:
         except ProtocolError as exc:
             self._fail(PeerLostError(f"express lane {self.endpoint}: {exc}"))
             return
+        now = time.monotonic()
         with self._state:
             for request_id, payload in frames:
-                if request_id in self._waiting:  # else: a request given up; its late reply is dropped
-                    self._waiting.discard(request_id)
+                deadline = self._waiting.pop(request_id, None)
+                if deadline is None:
+                    continue  # a request given up: its late reply is dropped
+                if now > deadline:  # came after its deadline: never an answer in time
+                    self._failed[request_id] = TransferTimeoutError(
+                        f"express lane {self.endpoint}: the reply came {now - deadline:.3f} s after the deadline")
+                else:
                     self._replies[request_id] = payload
             self._state.notify_all()
 
@@ -298,7 +304,7 @@ class ExpressLane:
 
     def _cancel(self, request_id: int) -> None:
         with self._state:
-            self._waiting.discard(request_id)
+            self._waiting.pop(request_id, None)
             self._replies.pop(request_id, None)
             self._failed.pop(request_id, None)
 

@@ -89,7 +89,7 @@ class SideChannelClient:
         self._state = threading.Condition()    # everything below, and waking waiters
         self._serial = threading.Semaphore(1)  # one request in flight unless multiplexed
         self._ids = itertools.count(1)
-        self._waiting: set[int] = set()        # ids sent, neither answered nor given up
+        self._waiting: dict[int, float] = {}   # ids sent, neither answered nor given up -> their deadline
         self._replies: dict[int, bytes] = {}
         self._failed: dict[int, KvxferError] = {}
         self._leader = False
@@ -227,10 +227,16 @@ class SideChannelClient:
                     rid = next(iter(self._waiting))
                 else:
                     continue
-                if rid in self._waiting:  # else: a request given up; its late reply is dropped
-                    self._waiting.discard(rid)
+                deadline = self._waiting.pop(rid, None)
+                if deadline is None:
+                    continue  # a request given up: its late reply is dropped
+                late = time.monotonic() - deadline
+                if late > 0:  # came after its deadline: never an answer in time
+                    self._failed[rid] = TransferTimeoutError(
+                        f"side channel {self.endpoint}: the reply came {late:.3f} s after the deadline")
+                else:
                     self._replies[rid] = reply
-                    self._state.notify_all()
+                self._state.notify_all()
 
     # ---- requests -------------------------------------------------------------------
     def request(self, frame: bytes, timeout: float) -> bytes:
@@ -286,7 +292,7 @@ class SideChannelClient:
                 self._drain_monitor()
                 self._dropped = False  # a drop before this request is healed by ZMQ's reconnect
                 with self._state:
-                    self._waiting.add(rid)
+                    self._waiting[rid] = deadline
                 try:
                     sock.send(frame if serial else MUX_MAGIC + rid.to_bytes(8, "big") + frame, zmq.NOBLOCK)
                 except zmq.ZMQError as exc:
@@ -326,7 +332,7 @@ class SideChannelClient:
     def _give_up(self, rid: int, timeout: float) -> bytes:
         """No reply by the deadline: forget ``rid`` and raise the error that says why."""
         with self._state:
-            self._waiting.discard(rid)
+            self._waiting.pop(rid, None)
         with self._socket_turn():
             self._drain_monitor()
             connected = self._connected
@@ -341,8 +347,7 @@ class SideChannelClient:
 
     def _cancel(self, rid: int) -> None:
         with self._state:
-            waiting = rid in self._waiting
-            self._waiting.discard(rid)
+            waiting = self._waiting.pop(rid, None) is not None
             self._replies.pop(rid, None)
             self._failed.pop(rid, None)
         if waiting and not self.multiplexed:
