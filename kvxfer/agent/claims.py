@@ -26,7 +26,7 @@ from kvxfer.errors import KvxferError, LeaseExpiredError
 from kvxfer.protocol import Abort, Claim, ClaimBatch, Grant, Refuse, pack_id_lists
 from kvxfer.types import AbortOutcome
 
-__all__ = ["Claims"]
+__all__ = ["Claims", "lane_key"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -64,7 +64,7 @@ class Claims:
         one ``ClaimBatch`` per rank that answers them (``PeerInfo.batch_claims``), else one ``Claim``
         per request. Returns, per item, the ``sent`` list ``answers`` takes."""
         wait = self._timeout if timeout is None else timeout
-        self._note_lanes(items, lane if lane is not None else _key(links[0]) if links else None)
+        self._note_lanes(items, lane if lane is not None else lane_key(links[0]) if links else None)
         out: list[list] = [[] for _ in items]
         # Each pending answer holds its link: take links in one global order, so two reads
         # claiming from the same ranks at once never wait on each other crosswise.
@@ -96,7 +96,7 @@ class Claims:
         """``send_many`` to one rank, only where that cannot wait on the peer (``PeerLink.try_send``):
         the ``sent`` lists, or None with nothing sent (then ``send_many`` does it). ``lane``: as
         ``send``'s (the producer instance's lane key; default: this rank's)."""
-        self._note_lanes(items, lane if lane is not None else _key(link))
+        self._note_lanes(items, lane if lane is not None else lane_key(link))
         claims = self._claims(items, bool(link.info.packed_ids))
         batch = link.info.batch_claims and len(claims) > 1
         if not batch and len(claims) > 1:
@@ -204,7 +204,7 @@ class Claims:
             if len(self._lanes) > 4096:  # forget the oldest: without its key a give-back runs on its rank's lane
                 for old in list(self._lanes)[:1024]:
                     del self._lanes[old]
-        return key if key is not None else (_key(link) if link is not None else None)
+        return key if key is not None else (lane_key(link) if link is not None else None)
 
     def abort_at(self, link: PeerLink, request_id: str, same_engine: bool = False) -> AbortOutcome:
         """Tell one producer rank to release ``request_id``; never raises (the outcome says what
@@ -283,7 +283,7 @@ class _NthReply:
         self._shared.cancel()
 
 
-def _key(link: PeerLink) -> tuple:
+def lane_key(link: PeerLink) -> tuple:
     """The lane key of ``link``'s producer instance: its rank 0's address (ranks use consecutive
     ports, ``rank_port``), the key its reads queue under, so a give-back runs in order with them
     whichever rank it is for."""

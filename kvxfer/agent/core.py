@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.announce import Announcement, AnnouncementBook, start_announce
-from kvxfer.agent.claims import Claims
+from kvxfer.agent.claims import Claims, lane_key
 from kvxfer.agent.heartbeats import send_keepalive, tell_abort
 from kvxfer.agent.hybrid import hybrid_config, hybrid_hold_ids, hybrid_reads, hybrid_spec, refuse_hybrid
 from kvxfer.agent.progress import drive_once, run_progress
@@ -558,8 +558,7 @@ class Agent:
         if self._engine is not None:
             self._engine.cancel(request_id, AbortedError(f"request {request_id!r} aborted by the consumer"))
         if not wait:
-            key = address(remote) if remote is not None else (
-                (links[0].host, links[0].port) if links else None)
+            key = address(remote) if remote is not None else (lane_key(links[0]) if links else None)
             if key is not None:
                 self._lanes.put(key, AbortJob(request_id, remote, links))
             return None
