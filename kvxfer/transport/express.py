@@ -86,6 +86,10 @@ class FrameReader:
     def buffered(self) -> int:
         return len(self._buf)
 
+    def allow(self, max_bytes: int) -> None:
+        """Accept frames of up to ``max_bytes`` from now on (a server's connection, once attached)."""
+        self._max = max_bytes
+
 
 class ExpressLane:
     """The client end of one express connection, attached to the session named ``identity``.

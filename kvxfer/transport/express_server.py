@@ -8,7 +8,8 @@ frames go to ``answer(identity, payload)``, which runs the session's sans-IO ``S
 Bounds, so a hostile client costs little: at most ``max_connections`` connections (and at most a
 quarter of the process's file-descriptor limit; more are closed at once, and a failed ``accept``
 pauses listening for 0.1 s rather than spinning), a connection that has not attached within ``attach_timeout`` seconds is
-closed, a frame over ``max_bytes`` closes its connection, and a client that stops reading its
+closed, a frame over ``max_bytes`` closes its connection (before it attaches: a frame longer than
+an attach), and a client that stops reading its
 replies is closed once ``4 * max_bytes`` of them wait. A connection whose session is gone
 (evicted, its ZMQ connection closed) is closed on its next frame, so its client handshakes anew.
 """
@@ -28,6 +29,9 @@ __all__ = ["ExpressPort"]
 
 POLLIN, POLLOUT = 1, 4  # the values zmq.Poller and select.poll share
 _RECV_BYTES = 1 << 16  # below malloc's mmap threshold: a larger recv buffer costs a map and unmap per call
+#: The largest frame a connection may send before it attaches (an attach: ATTACH and a ZMQ routing
+#: id, at most 255 bytes): a crowd of unattached connections buffers little, not ``max_bytes`` each.
+_ATTACH_BYTES = len(ATTACH) + 256
 
 
 @dataclass
@@ -138,7 +142,7 @@ class ExpressPort:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, FrameReader(self._max_bytes))
+            conn = _Conn(sock, FrameReader(min(_ATTACH_BYTES, self._max_bytes)))
             fd = sock.fileno()
             self._conns[fd] = self._unattached[fd] = conn
             poller.register(fd, POLLIN)
@@ -167,6 +171,7 @@ class ExpressPort:
                     self._drop(fd, poller)
                     return
                 conn.identity = identity
+                conn.reader.allow(self._max_bytes)
                 del self._unattached[fd]
                 reply = ATTACHED
             else:

@@ -20,6 +20,7 @@ from kvxfer.errors import PeerLostError
 from kvxfer.layout.spec import CacheGeometry, KVSpec
 from kvxfer.protocol import ClientSession, Codec, Heartbeat, HeartbeatAck, ServerSession, compat_hash, make_peer_info
 from kvxfer.transport.express import ATTACH, ATTACHED, HEADER, ExpressLane, frame
+from kvxfer.transport.express_server import _ATTACH_BYTES as ATTACH_BYTES
 from kvxfer.transport.zmq import SideChannelClient, SideChannelServer
 
 from sidechannel_peers import HOLD_BLOCKS, Peer, assert_read, consumer, free_port_block, poll
@@ -137,6 +138,9 @@ def test_hostile_express_connections_are_closed_counted_and_harmless(prod):
         with connect() as s:   # (b) a header announcing more than max_message_bytes, before attaching
             s.sendall(HEADER.pack(MAX_BYTES + 1, 0))
             assert _closed_by_peer(s)
+        with connect() as s:   # (b') before attaching, a frame longer than any attach (a crowd of such
+            s.sendall(HEADER.pack(ATTACH_BYTES + 1, 0))  # connections must not buffer max_bytes each)
+            assert _closed_by_peer(s)
         with connect() as s:   # (d) a first frame that is not an attach
             s.sendall(frame(5, b"hello, not an attach"))
             assert _closed_by_peer(s)
@@ -146,7 +150,7 @@ def test_hostile_express_connections_are_closed_counted_and_harmless(prod):
 
         after = prod.ask("counters")["rejected"]
         assert after.get("express-attach", 0) - before.get("express-attach", 0) == 3
-        assert after.get("express-size", 0) - before.get("express-size", 0) == 2
+        assert after.get("express-size", 0) - before.get("express-size", 0) == 3
         assert poll(lambda: _express_count(prod), 1) == 1   # none of them is left open
         # the real consumer's lane was never touched: the same link, still on the lane, reads exactly
         _read(cons, cache, prod.address, "r3", [16, 17, 18, 19])
