@@ -86,7 +86,11 @@ def test_a_give_back_waiting_on_a_frozen_producer_does_not_hold_the_steps_poller
     sent = claims.try_send_many([("A", ids, 0.0), ("B", ids, 0.0)], link, 3.0)
     assert sent is not None
     claims.undo("A", sent[0])       # read A ended: its give-back takes the batch's answer on the lane
-    time.sleep(0.2)                 # the lane now waits on the producer
+    shared = sent[1][0][1]._shared  # the batch's one answer
+    until = time.monotonic() + 5
+    while not shared._lock.locked() and time.monotonic() < until:
+        time.sleep(0.01)
+    assert shared._lock.locked()    # the lane is inside, waiting on the producer
     started = time.monotonic()
     ready = claims.ready(sent[1], 0.0)
     assert time.monotonic() - started < 0.5
