@@ -65,7 +65,7 @@ class ReadPaths:
     def __init__(self, backend, config, view, leases, clock) -> None:
         self._backend, self._config, self._view = backend, config, view
         self.kit = PathKit(backend, config, view, clock=clock)
-        self.packer = PackServer(self.kit, view, leases, config.lease_timeout)
+        self.packer = PackServer(self.kit, view, leases)
 
     # ---- routes ----------------------------------------------------------------------
     @property

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
@@ -53,6 +54,15 @@ def network_identity() -> str:
     return f"{host_identity()}/{ns}"
 
 
+@dataclass
+class _Parked:
+    """Staging slots kept out of the pool: ``ready()`` says when nobody can read or write them
+    any more (asked on every sweep, it may look at the backend or a pipe's messages)."""
+
+    slots: SlotRange
+    ready: Callable[[], bool]
+
+
 class PathKit:
     """GPU-path resources of one agent. ``close`` releases them (idempotent).
 
@@ -74,6 +84,7 @@ class PathKit:
         self.area_why = ""
         self._slots: StagingAllocator | None = None
         self._slot_lock = threading.Lock()
+        self._parked: list[_Parked] = []   # taken out under _slot_lock; asked outside it
         self._kernel: Any = None
         self._kernel_lock = threading.Lock()
         self._prep_lock = threading.Lock()
@@ -160,6 +171,7 @@ class PathKit:
             TransferTimeoutError: the deadline passed first.
         """
         while True:
+            self.sweep_slots()
             with self._slot_lock:
                 first = self._slots.allocate(count)
             if first is not None:
@@ -173,8 +185,41 @@ class PathKit:
         with self._slot_lock:
             self._slots.free((slots.addr - self.area.addr) // self.area.slot_bytes)
 
+    def park_slots(self, slots: SlotRange, ready: Callable[[], bool]) -> None:
+        """Keep ``slots`` (taken with ``take_slots``) out of the pool until ``ready()`` is True:
+        a peer may still read them, or a move still write into them. ``ready`` is asked now, on
+        every sweep (each turn of a ``take_slots`` wait, every ``slots_in_use``), never under a
+        lock; the slots go back with the first True."""
+        with self._slot_lock:
+            self._parked.append(_Parked(slots, ready))
+        self.sweep_slots()
+
+    def sweep_slots(self) -> None:
+        """Give back every parked range whose ``ready()`` is now True. A ``ready`` that raises
+        keeps its range parked (logged)."""
+        with self._slot_lock:
+            parked, self._parked = self._parked, []
+        if not parked:
+            return
+        keep = []
+        for entry in parked:
+            try:
+                ready = entry.ready()
+            except Exception:  # noqa: BLE001 - a bug must not hand slots back that may be in use
+                log.exception("staging slots: a parked range's check failed; it stays parked")
+                ready = False
+            if ready:
+                self.give_slots(entry.slots)
+            else:
+                keep.append(entry)
+        with self._slot_lock:
+            self._parked.extend(keep)
+
     @property
     def slots_in_use(self) -> int:
+        """Slots taken and not back in the pool, parked ones included (parked ranges that are
+        ready go back first)."""
+        self.sweep_slots()
         return self._slots.in_use if self._slots is not None else 0
 
     # ---- peers -----------------------------------------------------------------------

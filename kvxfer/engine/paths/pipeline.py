@@ -15,6 +15,8 @@ Two directions, same pieces:
   into a consumer slot with notification ``DATA(k, slot)``; the consumer unpacks and returns
   the credit with ``FREE(k, slot)``.
 
+Until its FREE, a slot announced READY stays the consumer's to read (``serve_read``'s ``lent``).
+
 Messages are 20-byte ``PipeMessage`` records carried by a ``Link`` (the engine routes them
 through its own channel; the benchmark uses the backend's notifications). Every loop takes a
 deadline and raises ``TransferTimeoutError`` past it, ``TransferFailedError`` when the backend
@@ -280,20 +282,26 @@ def _piece_copy(copy: PairCopy, piece: tuple[int, int], slot_addr: int, staging_
 
 
 def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
-               deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None) -> None:
+               deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None,
+               lent: set[int] | None = None) -> None:
     """Producer side of a READ: pack every piece (``pack`` built with staging offset 0), announce
     it, and reuse slots as the consumer frees them. Returns once every piece was read.
-    ``deadline`` is on ``clock`` (``MonotonicClock`` by default)."""
+    ``deadline`` is on ``clock`` (``MonotonicClock`` by default).
+
+    ``lent`` (a set, filled here): the pieces announced READY and not yet freed; a READ of their
+    slots may still be in flight. When this raises, what is left in it says whether the caller
+    may reuse the slots now (empty) or only once the consumer can no longer read them."""
     gpu = _Gpu(kernel)
     pieces = split_pieces(pack, slot_bytes or area.slot_bytes)
     try:
-        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline, clock or MonotonicClock())
+        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline, clock or MonotonicClock(),
+                      set() if lent is None else lent)
     finally:  # the slots go back to the caller only once no pack kernel can still write them
         gpu.stream.synchronize()
 
 
 def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area: StagingArea, gpu: "_Gpu",
-                  link: Link, deadline: float, clock: Clock) -> None:
+                  link: Link, deadline: float, clock: Clock, lent: set[int]) -> None:
     free = collections.deque(range(area.slots))
     packing: collections.deque = collections.deque()
     seen: set[int] = set()   # pieces freed: a peer's duplicate must not end the loop early
@@ -308,12 +316,14 @@ def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area:
             moved = True
         while packing and packing[0][2].done:
             piece, slot, _ = packing.popleft()
+            lent.add(piece)  # before the send: the consumer may READ the slot from then on
             link.send(PipeMessage(READY, tag, piece, slot).encode())
             moved = True
         for msg in _messages(link, tag, FREE, len(pieces)):
             if msg.piece >= k or msg.piece in seen:
                 raise ProtocolError(f"FREE for piece {msg.piece}: not announced, or freed twice")
             seen.add(msg.piece)
+            lent.discard(msg.piece)
             free.append(msg.slot)
             freed += 1
             moved = True

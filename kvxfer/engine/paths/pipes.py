@@ -67,6 +67,12 @@ class PipeLink:
     def receive(self) -> list[bytes]:
         """This transfer's messages since the last call. Raises the error ``stop`` was given."""
         self.check()
+        return self.collect()
+
+    def collect(self) -> list[bytes]:
+        """``receive`` without the stop check: the messages since the last call, also once the
+        pipeline stopped (a serve that ended with slots lent listens for their FREE).
+        Raises ProtocolError for a slot outside the window."""
         out = []
         while self._inbox:
             msg = PipeMessage.decode(self._inbox.popleft())
@@ -104,6 +110,7 @@ class PipeRouter:
     def __init__(self, backend: Backend, key: bytes | None = None) -> None:
         self._backend, self._key = backend, key
         self._links: dict[tuple[str, int], PipeLink] = {}
+        self._parked: set[tuple[str, int]] = set()   # routes whose pipeline ended, still listening
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
 
@@ -120,10 +127,19 @@ class PipeRouter:
         with self._lock:
             if self._links.get((link.peer, link.tag)) is link:
                 del self._links[(link.peer, link.tag)]
+                self._parked.discard((link.peer, link.tag))
+
+    def park(self, link: PipeLink) -> None:
+        """Keep routing ``link``'s messages though its pipeline ended (something still waits for
+        the peer's word on it) without counting it in ``active``: nobody needs them at once."""
+        with self._lock:
+            if self._links.get((link.peer, link.tag)) is link:
+                self._parked.add((link.peer, link.tag))
 
     def active(self) -> int:
+        """Open links whose pipeline runs (parked ones left out)."""
         with self._lock:
-            return len(self._links)
+            return len(self._links) - len(self._parked)
 
     def deliver(self, peer: str, raw: bytes) -> bool:
         """Take ``raw`` if it is a pipeline message (True); False leaves it to the caller.
