@@ -359,8 +359,8 @@ def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel
                       clock=clock)
         gpu.stream.synchronize()
         if stuck:
-            raise SlotsQuarantined(f"staged READ (tag {tag}): {stuck} move(s) into this transfer's slots "
-                                   "not confirmed ended; the slots are quarantined")
+            raise SlotsQuarantined(f"staged READ (tag {tag}): {len(stuck)} move(s) into this transfer's slots "
+                                   "not confirmed ended; the slots are quarantined", stuck)
 
 
 #: Seconds past a pipeline's deadline that it waits for its NIXL moves to end before giving up.
@@ -368,13 +368,18 @@ DRAIN_GRACE = 0.25
 
 
 class SlotsQuarantined(TransferFailedError):
-    """A pipeline ended with moves into its slots still pending: the slots must not be reused."""
+    """A pipeline ended with moves into its slots still pending: the slots must not be reused
+    until every transfer in ``moves`` (backend ids, not released) has ended."""
+
+    def __init__(self, message: str, moves: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.moves = list(moves or [])
 
 
-def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | None = None) -> int:
+def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | None = None) -> list[int]:
     """Release each transfer once the backend says it ended (DONE or FAILED), polling until
-    ``until`` (on ``clock``, ``MonotonicClock`` by default); returns how many are still pending
-    then (left unreleased: they may still write)."""
+    ``until`` (on ``clock``, ``MonotonicClock`` by default); returns those still pending then
+    (left unreleased: they may still write). An ``until`` already passed looks once."""
     clock = clock or MonotonicClock()
     pending = list(xids)
     while pending:
@@ -395,10 +400,10 @@ def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | Non
                 still.append(xid)
         pending = still
         if pending and clock.now() >= until:
-            return len(pending)
+            return pending
         if pending:
             clock.sleep(0.0005)
-    return 0
+    return []
 
 
 def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,
