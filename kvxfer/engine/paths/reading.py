@@ -186,7 +186,7 @@ class ReadRoute:
                 log.warning("staged read of %r: staging slots quarantined until %d move(s) into them end",
                             self.request_id, len(exc.moves))
                 held.clear()  # not handed back yet: a late byte there would corrupt another read
-                kit.park_slots(slots, _MovesEnded(kit.backend, exc.moves))
+                kit.park_slots(slots, _MovesEnded(kit.backend, exc.moves), writes=True)
                 raise
 
         def cleanup() -> None:
