@@ -10,7 +10,8 @@ running ``serve_read`` in a window of the staging slots until the end of the cla
 consumer was granted (the consumer's read fails once that passed); the job stops earlier when
 the consumer aborts, the hold ends, or the agent closes. A serve that stops with slots announced
 to the consumer and not freed keeps them out of the pool (``PathKit.park_slots``) until the
-consumer frees them or its window has passed: its READ of them may still be in flight.
+consumer frees them, sends STOP (its READs ended), or its window has passed: its READ of them
+may still be in flight.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError, LeaseExpiredError, ProtocolError
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.layout.pairs import pack_pairs
-from kvxfer.engine.paths.pipeline import FREE, PipeMessage, serve_read
+from kvxfer.engine.paths.pipeline import FREE, STOP, PipeMessage, serve_read
 from kvxfer.engine.paths.pipes import PipeLink
 from kvxfer.layout import CacheView
 from kvxfer.layout.request import check_block_ids
@@ -49,8 +50,8 @@ def _check_ids(ids: list[int], bound: int, side: str) -> np.ndarray:
 
 class _Lent:
     """``ready`` of a serve's slots parked with pieces still lent (``PathKit.park_slots``): True
-    once the consumer freed every one of them or its claim window ``until`` has passed (its read
-    fails after that, whatever it reads); the route closes then."""
+    once the consumer freed every one of them, sent STOP (its READs ended), or its claim window
+    ``until`` has passed (its read fails after that, whatever it reads); the route closes then."""
 
     def __init__(self, kit: PathKit, pipe: PipeLink, lent: set[int], until: float) -> None:
         self._kit, self._pipe, self._lent, self._until = kit, pipe, lent, until
@@ -61,6 +62,8 @@ class _Lent:
                 msg = PipeMessage.decode(raw)
                 if msg.kind == FREE:
                     self._lent.discard(msg.piece)
+                elif msg.kind == STOP:
+                    self._lent.clear()
         except ProtocolError as exc:  # a peer's bad slot: only the window can end the wait now
             log.debug("staged serve %d: %s", self._pipe.tag, exc)
         ready = not self._lent or self._kit.clock.now() > self._until

@@ -16,6 +16,9 @@ Two directions, same pieces:
   the credit with ``FREE(k, slot)``.
 
 Until its FREE, a slot announced READY stays the consumer's to read (``serve_read``'s ``lent``).
+A READ that ends early on the consumer (failed, cancelled, timed out) with every READ of the
+producer's slots confirmed ended sends ``STOP``: the producer's ``serve_read`` returns and its
+slots may be reused at once.
 
 Messages are 20-byte ``PipeMessage`` records carried by a ``Link`` (the engine routes them
 through its own channel; the benchmark uses the backend's notifications). Every loop takes a
@@ -41,18 +44,19 @@ from kvxfer.gpu.ops import PairKernel
 from kvxfer.layout.pairs import PairCopy
 from kvxfer.types import Direction, MemKind, Region, XferState
 
-__all__ = ["DRAIN_GRACE", "SlotsQuarantined", "drain", "Link", "PipeMessage", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
+__all__ = ["DRAIN_GRACE", "SlotsQuarantined", "drain", "Link", "PipeMessage", "stop_message", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
            "push_write", "receive_write", "host_allocate", "is_pipe_message"]
 
 _FMT = struct.Struct("<3sBBxxxQI")  # magic, version, kind, 3 pad, tag, piece | slot << 20
 _MAGIC, _VERSION = b"KXS", 1
-READY, FREE, DATA = 1, 2, 3
+READY, FREE, DATA, STOP = 1, 2, 3, 4
 _MAX_PIECES = 1 << 20
 
 
 @dataclass(frozen=True)
 class PipeMessage:
-    """One pipeline message: ``kind`` READY/FREE/DATA for piece ``piece`` of request ``tag`` in ``slot``."""
+    """One pipeline message: ``kind`` READY/FREE/DATA for piece ``piece`` of request ``tag`` in ``slot``;
+    STOP (piece and slot 0) ends the transfer ``tag``."""
 
     kind: int
     tag: int
@@ -70,10 +74,15 @@ class PipeMessage:
         if len(raw) != _FMT.size or raw[:3] != _MAGIC:
             return None
         magic, version, kind, tag, packed = _FMT.unpack(raw)
-        if version != _VERSION or kind not in (READY, FREE, DATA):
-            raise ProtocolError(f"pipeline message: expected version {_VERSION} and kind 1-3; "
+        if version != _VERSION or kind not in (READY, FREE, DATA, STOP):
+            raise ProtocolError(f"pipeline message: expected version {_VERSION} and kind 1-4; "
                                 f"got version {version}, kind {kind}")
         return cls(kind, tag, packed & (_MAX_PIECES - 1), packed >> 20)
+
+
+def stop_message(tag: int) -> bytes:
+    """The STOP of transfer ``tag``: the consumer's READs of the producer's slots have all ended."""
+    return PipeMessage(STOP, tag, 0, 0).encode()
 
 
 def is_pipe_message(raw: bytes) -> bool:
@@ -261,13 +270,15 @@ def _check_deadline(clock: Clock, deadline: float, what: str) -> None:
         raise TransferTimeoutError(f"staged transfer: deadline passed while {what}")
 
 
-def _messages(link: Link, tag: int, kind: int, pieces: int) -> list[PipeMessage]:
-    """This transfer's messages of ``kind``. The link delivers one transfer's traffic; anything
-    else on it is ignored. Raises ProtocolError for a piece number out of range."""
+def _messages(link: Link, tag: int, kind: int | tuple[int, ...], pieces: int) -> list[PipeMessage]:
+    """This transfer's messages of ``kind`` (one kind or a tuple of them). The link delivers one
+    transfer's traffic; anything else on it is ignored. Raises ProtocolError for a piece number
+    out of range."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
     out = []
     for raw in link.receive():
         msg = PipeMessage.decode(raw)
-        if msg is not None and msg.tag == tag and msg.kind == kind:
+        if msg is not None and msg.tag == tag and msg.kind in kinds:
             if not 0 <= msg.piece < pieces:
                 raise ProtocolError(f"pipeline message for piece {msg.piece}; expected [0, {pieces})")
             out.append(msg)
@@ -285,12 +296,14 @@ def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, 
                deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None,
                lent: set[int] | None = None) -> None:
     """Producer side of a READ: pack every piece (``pack`` built with staging offset 0), announce
-    it, and reuse slots as the consumer frees them. Returns once every piece was read.
-    ``deadline`` is on ``clock`` (``MonotonicClock`` by default).
+    it, and reuse slots as the consumer frees them. Returns once every piece was read, or once
+    the consumer sent STOP (its READs of these slots ended). ``deadline`` is on ``clock``
+    (``MonotonicClock`` by default).
 
     ``lent`` (a set, filled here): the pieces announced READY and not yet freed; a READ of their
-    slots may still be in flight. When this raises, what is left in it says whether the caller
-    may reuse the slots now (empty) or only once the consumer can no longer read them."""
+    slots may still be in flight. Emptied by a STOP; when this raises, what is left in it says
+    whether the caller may reuse the slots now (empty) or only once the consumer can no longer
+    read them."""
     gpu = _Gpu(kernel)
     pieces = split_pieces(pack, slot_bytes or area.slot_bytes)
     try:
@@ -319,7 +332,10 @@ def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area:
             lent.add(piece)  # before the send: the consumer may READ the slot from then on
             link.send(PipeMessage(READY, tag, piece, slot).encode())
             moved = True
-        for msg in _messages(link, tag, FREE, len(pieces)):
+        for msg in _messages(link, tag, (FREE, STOP), len(pieces)):
+            if msg.kind == STOP:
+                lent.clear()
+                return
             if msg.piece >= k or msg.piece in seen:
                 raise ProtocolError(f"FREE for piece {msg.piece}: not announced, or freed twice")
             seen.add(msg.piece)

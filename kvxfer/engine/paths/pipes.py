@@ -23,7 +23,7 @@ import threading
 
 from kvxfer.backend.base import Backend
 from kvxfer.errors import KvxferError, ProtocolError
-from kvxfer.engine.paths.pipeline import PipeMessage, is_pipe_message
+from kvxfer.engine.paths.pipeline import STOP, PipeMessage, is_pipe_message
 from kvxfer.protocol import PipeNote, decode_pipe_note, encode_pipe_note, is_pipe_note
 
 __all__ = ["PipeLink", "PipeRouter"]
@@ -76,6 +76,9 @@ class PipeLink:
         out = []
         while self._inbox:
             msg = PipeMessage.decode(self._inbox.popleft())
+            if msg.kind == STOP:  # names no slot
+                out.append(dataclasses.replace(msg, slot=0).encode())
+                continue
             slot = msg.slot - self.slot_offset
             if not 0 <= slot < self.slot_count:
                 raise ProtocolError(f"pipeline message names slot {msg.slot}; expected "
