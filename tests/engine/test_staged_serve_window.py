@@ -24,7 +24,7 @@ import pytest
 from kvxfer.clock import ManualClock
 from kvxfer.errors import KvxferError
 
-from agent_helpers import Harness, spec, wait_for
+from agent_helpers import spec, wait_for
 
 STAGED = dict(transfer_path="staged", pipeline_slot_bytes=16 << 10, pipeline_slots=4)
 
@@ -54,13 +54,6 @@ def _thread_alive(name: str) -> bool:
 
 def _holds(cache, want, local, remote) -> bool:
     return all(np.array_equal(got[:, local], w[:, remote]) for got, w in zip(cache, want))
-
-
-@pytest.fixture
-def harness():
-    h = Harness()
-    yield h
-    h.close()
 
 
 def test_a_serve_outlives_the_producers_lease_inside_the_window_it_granted(harness):
