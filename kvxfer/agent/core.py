@@ -630,8 +630,10 @@ class Agent:
     def close(self) -> None:
         """Stop listening, fail in-flight transfers (``ClosedError`` on their handles), deregister
         memory. Blocks up to ~5 s for the progress thread, plus up to 0.25 s per in-flight
-        transfer to confirm its end. Idempotent and thread-safe; calls racing it, or made after
-        it, raise ``ClosedError``. Holds end with the agent: nothing reports them afterwards."""
+        transfer to confirm its end, plus up to 2 s for staged pipelines still writing into the
+        staging area (which stays allocated if one has not ended). Idempotent and thread-safe;
+        calls racing it, or made after it, raise ``ClosedError``. Holds end with the agent:
+        nothing reports them afterwards."""
         if self._closed:
             return
         self._closed = True

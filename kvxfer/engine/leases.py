@@ -223,17 +223,23 @@ class LeaseTable:
 
     def check_claimed(self, request_id: str, consumer: str, blocks) -> str:
         """Why ``consumer`` may not read ``blocks`` of ``request_id`` now ("" when it may). Changes nothing."""
+        return self.claimed_until(request_id, consumer, blocks)[0]
+
+    def claimed_until(self, request_id: str, consumer: str, blocks) -> tuple[str, float]:
+        """``check_claimed`` and, when ``consumer`` may read, the end of the window it was granted
+        (on this table's clock; 0.0 with a reason). Changes nothing."""
         now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None:
-                return f"request {request_id!r} is not held (unknown, released or expired)"
-            if hold.windows.get(consumer, 0.0) <= now:
-                return f"request {request_id!r} was not claimed by {consumer!r} (or its claim window closed)"
+                return f"request {request_id!r} is not held (unknown, released or expired)", 0.0
+            until = hold.windows.get(consumer, 0.0)
+            if until <= now:
+                return f"request {request_id!r} was not claimed by {consumer!r} (or its claim window closed)", 0.0
             missing = hold.missing(blocks)
             if missing is not None:
-                return f"block {missing} is not held for request {request_id!r}"
-        return ""
+                return f"block {missing} is not held for request {request_id!r}", 0.0
+        return "", until
 
     def heartbeat(self, request_ids, consumer: str) -> tuple[list[str], list[str]]:
         """Extend the holds a consumer still waits on; returns (alive, gone). An ending hold is gone."""

@@ -65,7 +65,7 @@ class ReadPaths:
     def __init__(self, backend, config, view, leases, clock) -> None:
         self._backend, self._config, self._view = backend, config, view
         self.kit = PathKit(backend, config, view, clock=clock)
-        self.packer = PackServer(self.kit, view, leases, config.lease_timeout)
+        self.packer = PackServer(self.kit, view, leases)
 
     # ---- routes ----------------------------------------------------------------------
     @property
@@ -176,6 +176,9 @@ class ReadPaths:
         return self.kit.router.active()
 
     def close(self) -> None:
+        """Cancel the staged reads served here, then close the kit: it waits (up to
+        ``kit.CLOSE_WAIT`` seconds) for every pipeline writing into the staging area to end
+        before it frees the area, and keeps the area if one has not."""
         self.packer.close()
         self.kit.close()
 

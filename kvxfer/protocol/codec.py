@@ -203,9 +203,11 @@ class _Notification(msgspec.Struct, frozen=True, array_like=True):
 
 class PipeNote(msgspec.Struct, frozen=True, array_like=True):
     """A staged pipeline's message (``kvxfer.engine.paths.pipeline``), typed: piece ``piece`` of the
-    transfer tagged ``tag`` is READY (1) in, FREE (2) to reuse, or its DATA (3) landed in ``slot``."""
+    transfer tagged ``tag`` is READY (1) in, FREE (2) to reuse, or its DATA (3) landed in ``slot``;
+    STOP (4, piece and slot 0): the consumer ended the transfer, none of its READs still runs
+    (a peer of the release before drops it as malformed)."""
 
-    kind: Annotated[int, Meta(ge=1, le=3)]
+    kind: Annotated[int, Meta(ge=1, le=4)]
     tag: Annotated[int, Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
     piece: Annotated[int, Meta(ge=0, lt=1 << 20)]
     slot: Annotated[int, Meta(ge=0, lt=1 << 12)]

@@ -336,7 +336,8 @@ class PackRequest(_Msg, frozen=True):
     ``head_start``/``head_stop`` are global KV-head indices (the heads both ranks share);
     ``consumer_ids`` are the consumer's block ids (the staging image is in its layout);
     pipeline messages of this transfer carry ``tag``; pieces are cut at ``piece_bytes``;
-    the producer stops serving ``timeout`` seconds after accepting (0: its lease timeout).
+    the producer stops serving ``timeout`` seconds after accepting, or when the claim window it
+    granted this consumer ends if that comes first (0: at the window's end).
     Sent after a granted ``Claim`` for the same request.
     """
 

@@ -176,9 +176,9 @@ def test_drain_waits_for_a_pending_move_until_its_clock_says_so():
                   descs([s["p_area"].slot_addr(0)], 256, 0), MemKind.VRAM, "prod", b"")
     stuck: list = []
     errors = _waits_for_the_clock(clock, lambda: stuck.append(drain(cb, [xid], clock.now() + 1, clock=clock)))
-    assert not errors and stuck == [1]  # still pending when the clock passed: left unreleased
+    assert not errors and stuck == [[xid]]  # still pending when the clock passed: left unreleased
     cb.hold_transfers(False)
-    assert drain(cb, [xid], clock.now(), clock=clock) == 0
+    assert drain(cb, [xid], clock.now(), clock=clock) == []
 
 
 def _catch(fn, errors):

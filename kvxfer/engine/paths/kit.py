@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvxfer.backend.base import Backend
 from kvxfer.clock import Clock, MonotonicClock
 from kvxfer.config import AgentConfig
 from kvxfer.engine.staging import StagingAllocator
-from kvxfer.errors import ConfigError, KvxferError, RegistrationError, TransferTimeoutError
+from kvxfer.errors import ClosedError, ConfigError, KvxferError, RegistrationError, TransferTimeoutError
 from kvxfer.gpu.host import HostPairKernel
 from kvxfer.gpu.ops import cupy_missing
 from kvxfer.gpu.ipc import IpcExport, IpcPeerCache, export_cache, host_identity
@@ -38,6 +40,14 @@ __all__ = ["PathKit", "network_identity"]
 
 log = logging.getLogger("kvxfer.agent")
 
+#: Seconds ``PathKit.close`` waits (real time) for the staged pipelines and moves still writing
+#: into the staging area to end before it gives up and keeps the area.
+CLOSE_WAIT = 2.0
+
+#: Staging areas a close could not free (a pipeline or a move might still write into them):
+#: allocated and registered for the life of the process. A leak, never a use after free.
+_KEPT: list[StagingArea] = []
+
 
 def network_identity() -> str:
     """This process's network stack: host identity + network namespace.
@@ -53,11 +63,24 @@ def network_identity() -> str:
     return f"{host_identity()}/{ns}"
 
 
+@dataclass
+class _Parked:
+    """Staging slots kept out of the pool: ``ready()`` says when nobody can read or write them
+    any more (asked on every sweep, it may look at the backend or a pipe's messages); ``writes``:
+    a move may still write into them (a peer's READ of them only reads)."""
+
+    slots: SlotRange
+    ready: Callable[[], bool]
+    writes: bool = False
+
+
 class PathKit:
     """GPU-path resources of one agent. ``close`` releases them (idempotent).
 
     ``clock`` (the agent's; ``MonotonicClock`` by default) measures every staged-path deadline:
     the slot wait here, the producer's ``PackRequest`` window and the pipeline loops.
+
+    ``closing`` is True once ``close`` began: ``take_slots`` refuses from then on.
     """
 
     def __init__(self, backend: Backend, config: AgentConfig, view: CacheView,
@@ -74,6 +97,8 @@ class PathKit:
         self.area_why = ""
         self._slots: StagingAllocator | None = None
         self._slot_lock = threading.Lock()
+        self._parked: list[_Parked] = []   # taken out under _slot_lock; asked outside it
+        self.closing = False
         self._kernel: Any = None
         self._kernel_lock = threading.Lock()
         self._prep_lock = threading.Lock()
@@ -158,9 +183,13 @@ class PathKit:
 
         Raises:
             TransferTimeoutError: the deadline passed first.
+            ClosedError: ``close`` began (the area is about to go).
         """
         while True:
+            self.sweep_slots()
             with self._slot_lock:
+                if self.closing:
+                    raise ClosedError("the staging area is closing")
                 first = self._slots.allocate(count)
             if first is not None:
                 return self.area.subset(first, count)
@@ -173,8 +202,42 @@ class PathKit:
         with self._slot_lock:
             self._slots.free((slots.addr - self.area.addr) // self.area.slot_bytes)
 
+    def park_slots(self, slots: SlotRange, ready: Callable[[], bool], *, writes: bool = False) -> None:
+        """Keep ``slots`` (taken with ``take_slots``) out of the pool until ``ready()`` is True:
+        a peer may still read them, or (``writes``) a move still write into them, which also
+        keeps ``close`` from freeing the area. ``ready`` is asked now, on every sweep (each turn
+        of a ``take_slots`` wait, every ``slots_in_use``, ``close``), never under a lock; the
+        slots go back with the first True."""
+        with self._slot_lock:
+            self._parked.append(_Parked(slots, ready, writes))
+        self.sweep_slots()
+
+    def sweep_slots(self) -> None:
+        """Give back every parked range whose ``ready()`` is now True. A ``ready`` that raises
+        keeps its range parked (logged)."""
+        with self._slot_lock:
+            parked, self._parked = self._parked, []
+        if not parked:
+            return
+        keep = []
+        for entry in parked:
+            try:
+                ready = entry.ready()
+            except Exception:  # noqa: BLE001 - a bug must not hand slots back that may be in use
+                log.exception("staging slots: a parked range's check failed; it stays parked")
+                ready = False
+            if ready:
+                self.give_slots(entry.slots)
+            else:
+                keep.append(entry)
+        with self._slot_lock:
+            self._parked.extend(keep)
+
     @property
     def slots_in_use(self) -> int:
+        """Slots taken and not back in the pool, parked ones included (parked ranges that are
+        ready go back first)."""
+        self.sweep_slots()
         return self._slots.in_use if self._slots is not None else 0
 
     # ---- peers -----------------------------------------------------------------------
@@ -288,8 +351,35 @@ class PathKit:
             return f"peer {link.engine_id} announced staging of kind {staging.mem_kind!r}"
         return None
 
+    def _slots_written(self) -> int:
+        """Slots a pipeline or a move may still write: taken and not back, less those parked
+        only for a peer to read."""
+        self.sweep_slots()
+        with self._slot_lock:
+            read_only = sum(p.slots.slots for p in self._parked if not p.writes)
+            return (self._slots.in_use if self._slots is not None else 0) - read_only
+
     def close(self) -> None:
+        """Refuse new slots, wait up to ``CLOSE_WAIT`` seconds (real time) for the pipelines and
+        moves writing into the staging area to end (a cancelled pipeline ends at its next turn,
+        its stream synchronized), then deregister and free it. If some still may write, the
+        area stays allocated and registered for the life of the process (logged): a leak, never
+        memory freed under a write."""
+        with self._slot_lock:
+            if self.closing:
+                return
+            self.closing = True
+        end = time.monotonic() + CLOSE_WAIT
+        while self._slots_written() and time.monotonic() < end:
+            time.sleep(0.001)
         if self._stream is not None:
             self._stream.synchronize()
-        if self.area is not None:
-            self.area.close()
+        if self.area is None:
+            return
+        if self._slots_written():
+            log.warning("closing: %d staging slot(s) may still be written by a pipeline or a move; the "
+                        "staging area (%d bytes) stays allocated and registered", self._slots_written(),
+                        self.area.nbytes)
+            _KEPT.append(self.area)
+            return
+        self.area.close()

@@ -6,8 +6,12 @@ piece size between one pair and one staging slot, the tag unused, and the reques
 claimed by this consumer. A bad value raises a typed error naming it and the allowed range
 (the side channel turns it into a ``Reject`` and the consumer's ``ProtocolError``); a request
 that is simply not held any more gets a ``Refuse``. Accepted requests are served by a worker
-running ``serve_read`` in a window of the staging slots; the job stops when the consumer
-aborts, the hold ends, or the agent closes.
+running ``serve_read`` in a window of the staging slots until the end of the claim window this
+consumer was granted (the consumer's read fails once that passed); the job stops earlier when
+the consumer aborts, the hold ends, or the agent closes. A serve that stops with slots announced
+to the consumer and not freed keeps them out of the pool (``PathKit.park_slots``) until the
+consumer frees them, sends STOP (its READs ended), or its window has passed: its READ of them
+may still be in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import numpy as np
 from kvxfer.errors import BlockIdError, LayoutError, LeaseExpiredError, ProtocolError
 from kvxfer.engine.leases import LeaseTable
 from kvxfer.layout.pairs import pack_pairs
-from kvxfer.engine.paths.pipeline import serve_read
+from kvxfer.engine.paths.pipeline import FREE, STOP, PipeMessage, serve_read
+from kvxfer.engine.paths.pipes import PipeLink
 from kvxfer.layout import CacheView
 from kvxfer.layout.request import check_block_ids
 from kvxfer.protocol import PackReady, PeerInfo, Refuse, spec_from_wire
@@ -43,12 +48,35 @@ def _check_ids(ids: list[int], bound: int, side: str) -> np.ndarray:
     return arr
 
 
+class _Lent:
+    """``ready`` of a serve's slots parked with pieces still lent (``PathKit.park_slots``): True
+    once the consumer freed every one of them, sent STOP (its READs ended), or its claim window
+    ``until`` has passed (its read fails after that, whatever it reads); the route closes then."""
+
+    def __init__(self, kit: PathKit, pipe: PipeLink, lent: set[int], until: float) -> None:
+        self._kit, self._pipe, self._lent, self._until = kit, pipe, lent, until
+
+    def __call__(self) -> bool:
+        try:
+            for raw in self._pipe.collect():
+                msg = PipeMessage.decode(raw)
+                if msg.kind == FREE:
+                    self._lent.discard(msg.piece)
+                elif msg.kind == STOP:
+                    self._lent.clear()
+        except ProtocolError as exc:  # a peer's bad slot: only the window can end the wait now
+            log.debug("staged serve %d: %s", self._pipe.tag, exc)
+        ready = not self._lent or self._kit.clock.now() > self._until
+        if ready:
+            self._kit.router.close(self._pipe)
+        return ready
+
+
 class PackServer:
     """Serves ``PackRequest``s for one producer agent. Thread-safe."""
 
-    def __init__(self, kit: PathKit, view: CacheView, leases: LeaseTable, lease_timeout: float) -> None:
+    def __init__(self, kit: PathKit, view: CacheView, leases: LeaseTable) -> None:
         self._kit, self._view, self._leases = kit, view, leases
-        self._lease_timeout = lease_timeout
         self._jobs: dict[str, list[PipelineJob]] = {}
         self._peers: dict[str, str] = {}   # consumer agent name -> the backend's name for it
         self._lock = threading.Lock()
@@ -73,23 +101,29 @@ class PackServer:
         if not pack.pair_bytes <= msg.piece_bytes <= kit.area.slot_bytes:
             raise ProtocolError(f"PackRequest piece_bytes {msg.piece_bytes} outside "
                                 f"[{pack.pair_bytes}, {kit.area.slot_bytes}]")
-        refusal = self._leases.check_claimed(msg.request_id, peer.engine_id, p_ids)
+        refusal, window_end = self._leases.claimed_until(msg.request_id, peer.engine_id, p_ids)
         if refusal:
             return Refuse(msg.request_id, refusal)
         pipe = kit.router.open(self._backend_name(peer), msg.tag, 0, 0)  # ProtocolError: tag in use
-        timeout = msg.timeout if 0 < msg.timeout <= self._lease_timeout else self._lease_timeout
-        deadline = kit.clock.now() + timeout
+        # Serve for the window granted (a read the consumer may still complete), or less if it asked.
+        deadline = window_end if msg.timeout <= 0 else min(window_end, kit.clock.now() + msg.timeout)
         count = kit.slots_per_transfer(1)
         held: list = []
+        lent: set[int] = set()
 
         def body() -> None:
             slots = kit.take_slots(count, deadline, pipe.check)
             held.append(slots)
             pipe.slot_offset = (slots.addr - kit.area.addr) // kit.area.slot_bytes
             pipe.slot_count = slots.slots
-            serve_read(msg.tag, pack, slots, kit.kernel, pipe, deadline, msg.piece_bytes, clock=kit.clock)
+            serve_read(msg.tag, pack, slots, kit.kernel, pipe, deadline, msg.piece_bytes, clock=kit.clock,
+                       lent=lent)
 
         def cleanup() -> None:
+            if held and lent:  # the consumer may still be reading them
+                kit.router.park(pipe)
+                kit.park_slots(held[0], _Lent(kit, pipe, lent, window_end))
+                return
             kit.router.close(pipe)
             for slots in held:
                 kit.give_slots(slots)

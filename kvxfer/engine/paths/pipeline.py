@@ -15,6 +15,11 @@ Two directions, same pieces:
   into a consumer slot with notification ``DATA(k, slot)``; the consumer unpacks and returns
   the credit with ``FREE(k, slot)``.
 
+Until its FREE, a slot announced READY stays the consumer's to read (``serve_read``'s ``lent``).
+A READ that ends early on the consumer (failed, cancelled, timed out) with every READ of the
+producer's slots confirmed ended sends ``STOP``: the producer's ``serve_read`` returns and its
+slots may be reused at once.
+
 Messages are 20-byte ``PipeMessage`` records carried by a ``Link`` (the engine routes them
 through its own channel; the benchmark uses the backend's notifications). Every loop takes a
 deadline and raises ``TransferTimeoutError`` past it, ``TransferFailedError`` when the backend
@@ -39,18 +44,19 @@ from kvxfer.gpu.ops import PairKernel
 from kvxfer.layout.pairs import PairCopy
 from kvxfer.types import Direction, MemKind, Region, XferState
 
-__all__ = ["DRAIN_GRACE", "SlotsQuarantined", "drain", "Link", "PipeMessage", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
+__all__ = ["DRAIN_GRACE", "SlotsQuarantined", "drain", "Link", "PipeMessage", "stop_message", "StagingArea", "SlotRange", "split_pieces", "serve_read", "fetch_read",
            "push_write", "receive_write", "host_allocate", "is_pipe_message"]
 
 _FMT = struct.Struct("<3sBBxxxQI")  # magic, version, kind, 3 pad, tag, piece | slot << 20
 _MAGIC, _VERSION = b"KXS", 1
-READY, FREE, DATA = 1, 2, 3
+READY, FREE, DATA, STOP = 1, 2, 3, 4
 _MAX_PIECES = 1 << 20
 
 
 @dataclass(frozen=True)
 class PipeMessage:
-    """One pipeline message: ``kind`` READY/FREE/DATA for piece ``piece`` of request ``tag`` in ``slot``."""
+    """One pipeline message: ``kind`` READY/FREE/DATA for piece ``piece`` of request ``tag`` in ``slot``;
+    STOP (piece and slot 0) ends the transfer ``tag``."""
 
     kind: int
     tag: int
@@ -68,10 +74,15 @@ class PipeMessage:
         if len(raw) != _FMT.size or raw[:3] != _MAGIC:
             return None
         magic, version, kind, tag, packed = _FMT.unpack(raw)
-        if version != _VERSION or kind not in (READY, FREE, DATA):
-            raise ProtocolError(f"pipeline message: expected version {_VERSION} and kind 1-3; "
+        if version != _VERSION or kind not in (READY, FREE, DATA, STOP):
+            raise ProtocolError(f"pipeline message: expected version {_VERSION} and kind 1-4; "
                                 f"got version {version}, kind {kind}")
         return cls(kind, tag, packed & (_MAX_PIECES - 1), packed >> 20)
+
+
+def stop_message(tag: int) -> bytes:
+    """The STOP of transfer ``tag``: the consumer's READs of the producer's slots have all ended."""
+    return PipeMessage(STOP, tag, 0, 0).encode()
 
 
 def is_pipe_message(raw: bytes) -> bool:
@@ -259,13 +270,15 @@ def _check_deadline(clock: Clock, deadline: float, what: str) -> None:
         raise TransferTimeoutError(f"staged transfer: deadline passed while {what}")
 
 
-def _messages(link: Link, tag: int, kind: int, pieces: int) -> list[PipeMessage]:
-    """This transfer's messages of ``kind``. The link delivers one transfer's traffic; anything
-    else on it is ignored. Raises ProtocolError for a piece number out of range."""
+def _messages(link: Link, tag: int, kind: int | tuple[int, ...], pieces: int) -> list[PipeMessage]:
+    """This transfer's messages of ``kind`` (one kind or a tuple of them). The link delivers one
+    transfer's traffic; anything else on it is ignored. Raises ProtocolError for a piece number
+    out of range."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
     out = []
     for raw in link.receive():
         msg = PipeMessage.decode(raw)
-        if msg is not None and msg.tag == tag and msg.kind == kind:
+        if msg is not None and msg.tag == tag and msg.kind in kinds:
             if not 0 <= msg.piece < pieces:
                 raise ProtocolError(f"pipeline message for piece {msg.piece}; expected [0, {pieces})")
             out.append(msg)
@@ -280,20 +293,28 @@ def _piece_copy(copy: PairCopy, piece: tuple[int, int], slot_addr: int, staging_
 
 
 def serve_read(tag: int, pack: PairCopy, area: StagingArea, kernel: PairKernel, link: Link,
-               deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None) -> None:
+               deadline: float, slot_bytes: int | None = None, *, clock: Clock | None = None,
+               lent: set[int] | None = None) -> None:
     """Producer side of a READ: pack every piece (``pack`` built with staging offset 0), announce
-    it, and reuse slots as the consumer frees them. Returns once every piece was read.
-    ``deadline`` is on ``clock`` (``MonotonicClock`` by default)."""
+    it, and reuse slots as the consumer frees them. Returns once every piece was read, or once
+    the consumer sent STOP (its READs of these slots ended). ``deadline`` is on ``clock``
+    (``MonotonicClock`` by default).
+
+    ``lent`` (a set, filled here): the pieces announced READY and not yet freed; a READ of their
+    slots may still be in flight. Emptied by a STOP; when this raises, what is left in it says
+    whether the caller may reuse the slots now (empty) or only once the consumer can no longer
+    read them."""
     gpu = _Gpu(kernel)
     pieces = split_pieces(pack, slot_bytes or area.slot_bytes)
     try:
-        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline, clock or MonotonicClock())
+        _serve_pieces(tag, pack, pieces, area, gpu, link, deadline, clock or MonotonicClock(),
+                      set() if lent is None else lent)
     finally:  # the slots go back to the caller only once no pack kernel can still write them
         gpu.stream.synchronize()
 
 
 def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area: StagingArea, gpu: "_Gpu",
-                  link: Link, deadline: float, clock: Clock) -> None:
+                  link: Link, deadline: float, clock: Clock, lent: set[int]) -> None:
     free = collections.deque(range(area.slots))
     packing: collections.deque = collections.deque()
     seen: set[int] = set()   # pieces freed: a peer's duplicate must not end the loop early
@@ -308,12 +329,17 @@ def _serve_pieces(tag: int, pack: PairCopy, pieces: list[tuple[int, int]], area:
             moved = True
         while packing and packing[0][2].done:
             piece, slot, _ = packing.popleft()
+            lent.add(piece)  # before the send: the consumer may READ the slot from then on
             link.send(PipeMessage(READY, tag, piece, slot).encode())
             moved = True
-        for msg in _messages(link, tag, FREE, len(pieces)):
+        for msg in _messages(link, tag, (FREE, STOP), len(pieces)):
+            if msg.kind == STOP:
+                lent.clear()
+                return
             if msg.piece >= k or msg.piece in seen:
                 raise ProtocolError(f"FREE for piece {msg.piece}: not announced, or freed twice")
             seen.add(msg.piece)
+            lent.discard(msg.piece)
             free.append(msg.slot)
             freed += 1
             moved = True
@@ -349,8 +375,8 @@ def fetch_read(tag: int, unpack: PairCopy, area: StagingArea, kernel: PairKernel
                       clock=clock)
         gpu.stream.synchronize()
         if stuck:
-            raise SlotsQuarantined(f"staged READ (tag {tag}): {stuck} move(s) into this transfer's slots "
-                                   "not confirmed ended; the slots are quarantined")
+            raise SlotsQuarantined(f"staged READ (tag {tag}): {len(stuck)} move(s) into this transfer's slots "
+                                   "not confirmed ended; the slots are quarantined", stuck)
 
 
 #: Seconds past a pipeline's deadline that it waits for its NIXL moves to end before giving up.
@@ -358,13 +384,18 @@ DRAIN_GRACE = 0.25
 
 
 class SlotsQuarantined(TransferFailedError):
-    """A pipeline ended with moves into its slots still pending: the slots must not be reused."""
+    """A pipeline ended with moves into its slots still pending: the slots must not be reused
+    until every transfer in ``moves`` (backend ids, not released) has ended."""
+
+    def __init__(self, message: str, moves: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.moves = list(moves or [])
 
 
-def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | None = None) -> int:
+def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | None = None) -> list[int]:
     """Release each transfer once the backend says it ended (DONE or FAILED), polling until
-    ``until`` (on ``clock``, ``MonotonicClock`` by default); returns how many are still pending
-    then (left unreleased: they may still write)."""
+    ``until`` (on ``clock``, ``MonotonicClock`` by default); returns those still pending then
+    (left unreleased: they may still write). An ``until`` already passed looks once."""
     clock = clock or MonotonicClock()
     pending = list(xids)
     while pending:
@@ -385,10 +416,10 @@ def drain(backend: Backend, xids: list[int], until: float, *, clock: Clock | Non
                 still.append(xid)
         pending = still
         if pending and clock.now() >= until:
-            return len(pending)
+            return pending
         if pending:
             clock.sleep(0.0005)
-    return 0
+    return []
 
 
 def _fetch_pieces(tag, unpack, pieces, area, gpu, link, backend, peer, remote_slot_addr, remote_device,

@@ -23,7 +23,7 @@ import threading
 
 from kvxfer.backend.base import Backend
 from kvxfer.errors import KvxferError, ProtocolError
-from kvxfer.engine.paths.pipeline import PipeMessage, is_pipe_message
+from kvxfer.engine.paths.pipeline import STOP, PipeMessage, is_pipe_message
 from kvxfer.protocol import PipeNote, decode_pipe_note, encode_pipe_note, is_pipe_note
 
 __all__ = ["PipeLink", "PipeRouter"]
@@ -67,9 +67,18 @@ class PipeLink:
     def receive(self) -> list[bytes]:
         """This transfer's messages since the last call. Raises the error ``stop`` was given."""
         self.check()
+        return self.collect()
+
+    def collect(self) -> list[bytes]:
+        """``receive`` without the stop check: the messages since the last call, also once the
+        pipeline stopped (a serve that ended with slots lent listens for their FREE).
+        Raises ProtocolError for a slot outside the window."""
         out = []
         while self._inbox:
             msg = PipeMessage.decode(self._inbox.popleft())
+            if msg.kind == STOP:  # names no slot
+                out.append(dataclasses.replace(msg, slot=0).encode())
+                continue
             slot = msg.slot - self.slot_offset
             if not 0 <= slot < self.slot_count:
                 raise ProtocolError(f"pipeline message names slot {msg.slot}; expected "
@@ -104,6 +113,7 @@ class PipeRouter:
     def __init__(self, backend: Backend, key: bytes | None = None) -> None:
         self._backend, self._key = backend, key
         self._links: dict[tuple[str, int], PipeLink] = {}
+        self._parked: set[tuple[str, int]] = set()   # routes whose pipeline ended, still listening
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
 
@@ -120,10 +130,19 @@ class PipeRouter:
         with self._lock:
             if self._links.get((link.peer, link.tag)) is link:
                 del self._links[(link.peer, link.tag)]
+                self._parked.discard((link.peer, link.tag))
+
+    def park(self, link: PipeLink) -> None:
+        """Keep routing ``link``'s messages though its pipeline ended (something still waits for
+        the peer's word on it) without counting it in ``active``: nobody needs them at once."""
+        with self._lock:
+            if self._links.get((link.peer, link.tag)) is link:
+                self._parked.add((link.peer, link.tag))
 
     def active(self) -> int:
+        """Open links whose pipeline runs (parked ones left out)."""
         with self._lock:
-            return len(self._links)
+            return len(self._links) - len(self._parked)
 
     def deliver(self, peer: str, raw: bytes) -> bool:
         """Take ``raw`` if it is a pipeline message (True); False leaves it to the caller.

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.errors import BlockIdError, LayoutError, ProtocolError, TransferFailedError
+from kvxfer.errors import BlockIdError, KvxferError, LayoutError, ProtocolError, TransferFailedError
 from kvxfer.engine.transfers import Part, stop_jobs
 from kvxfer.layout.pairs import unpack_pairs
-from kvxfer.engine.paths.pipeline import SlotsQuarantined, fetch_read
+from kvxfer.engine.paths.pipeline import SlotsQuarantined, drain, fetch_read, stop_message
 from kvxfer.layout import CacheView
 from kvxfer.layout.plan import head_overlap
 from kvxfer.layout.request import check_block_ids, check_coverage, id_bounds
@@ -176,16 +176,20 @@ class ReadRoute:
         held: list = []
 
         def body() -> None:
-            slots = kit.take_slots(count, deadline, pipe.check)  # raises once cancelled
-            held.append(slots)
             try:
+                slots = kit.take_slots(count, deadline, pipe.check)  # raises once cancelled
+                held.append(slots)
                 fetch_read(tag, unpack, slots, kit.kernel, pipe, kit.backend, link.agent_name,
                            lambda s: staging.addr + s * staging.slot_bytes, staging.device, deadline, piece,
                            remote_kind=MemKind(staging.mem_kind), clock=kit.clock)
-            except SlotsQuarantined:
-                log.warning("staged read of %r: staging slots quarantined (a move into them did not end)",
-                            self.request_id)
-                held.clear()  # never handed back: a late byte there would corrupt another read
+            except SlotsQuarantined as exc:  # a READ of the producer's slots may still run: no STOP
+                log.warning("staged read of %r: staging slots quarantined until %d move(s) into them end",
+                            self.request_id, len(exc.moves))
+                # not handed back by cleanup: a late byte there would corrupt another read
+                kit.park_slots(held.pop(), _MovesEnded(kit.backend, exc.moves), writes=True)
+                raise
+            except BaseException:
+                _stop_producer(pipe, tag)  # every READ we posted has ended: the producer may reuse its slots
                 raise
 
         def cleanup() -> None:
@@ -196,6 +200,27 @@ class ReadRoute:
         job = PipelineJob(f"kvxfer-fetch-{self.request_id}", body, pipe, cleanup, unpack.nbytes,
                           -(-unpack.nbytes // piece))
         return Part(link.agent_name, None, link.view.geometry.kind, self.note, job=job)
+
+
+def _stop_producer(pipe, tag: int) -> None:
+    """Send the producer STOP for ``tag`` (its serve ends and its slots go back at once); a send
+    that fails leaves the producer to its deadline, as before STOP existed."""
+    try:
+        pipe.send(stop_message(tag))
+    except KvxferError as exc:
+        log.debug("staged read (tag %d): STOP not sent: %s", tag, exc)
+
+
+class _MovesEnded:
+    """``ready`` of quarantined staging slots (``PathKit.park_slots``): True once the backend
+    reports every one of ``moves`` ended (DONE or FAILED; each is released then)."""
+
+    def __init__(self, backend, moves: list[int]) -> None:
+        self._backend, self._moves = backend, list(moves)
+
+    def __call__(self) -> bool:
+        self._moves = drain(self._backend, self._moves, float("-inf"))  # one look at each
+        return not self._moves
 
 
 @dataclass
