@@ -138,10 +138,12 @@ class Claims:
             return Claim(request_id, [], self._engine_id, window, packed)
         return Claim(request_id, remote_ids.tolist(), self._engine_id, window)
 
-    def answers(self, request_id: str, sent: list) -> None:
+    def answers(self, request_id: str, sent: list) -> float | None:
         """Collect the answers of ``send`` and keep the grants; if any rank refused or was lost,
         give the other grants back and raise (``LeaseExpiredError`` for a refusal, else the
-        rank's error, e.g. ``PeerLostError``)."""
+        rank's error, e.g. ``PeerLostError``). Returns the shortest window the ranks granted
+        (``Grant.lease_remaining``, seconds from their receipt of the claim), None where none
+        says one."""
         links = [link for link, _ in sent]
         replies = [_answer(pending) for _, pending in sent]
         granted = [link for link, reply in zip(links, replies) if isinstance(reply, Grant)]
@@ -156,6 +158,7 @@ class Claims:
             raise LeaseExpiredError(f"producer {link.engine_id} answered the claim with {type(reply).__name__}")
         with self._lock:
             self._granted[request_id] = granted
+        return min((reply.lease_remaining for reply in replies if reply.lease_remaining > 0), default=None)
 
     def undo(self, request_id: str, sent: list) -> None:
         """A claim the read no longer wants: on its lane (never here), collect its answers and

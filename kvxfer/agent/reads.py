@@ -83,6 +83,7 @@ class PendingRead:
     sent: list | None = None              # the claim's pending answers (``Claims.send_many``)
     sent_error: KvxferError | None = None  # why the claim could not be sent
     claim_started: float = 0.0
+    claim_clock: float = 0.0               # the agent's clock just before its claim left
     launched: object = None                # the route its IPC kernel was launched for
     token: object = None                   # the producer's ``HoldToken``, or None (issue 35)
     tokened: bool = False                  # moving by its token, with no claim: no lane takes it
@@ -187,6 +188,7 @@ class ReadFlow:
             return True
         # An IPC kernel starts before its claim leaves: the claim's round trip overlaps it.
         self.launch(routed)
+        clock = agent.clock.now()  # before the claim leaves: its window starts later at the producer
         try:
             sent = agent.claims.try_send_many([(r.request_id, r.remote_ids, self._window(r)) for r in routed],
                                                links[0], wait, lane=remote)
@@ -196,7 +198,7 @@ class ReadFlow:
             return False
         started = time.perf_counter()
         for r, answer in zip(routed, sent):
-            r.claim_started, r.sent = started, answer
+            r.claim_started, r.claim_clock, r.sent = started, clock, answer
         step = ReadStep(self._agent.claims, self._settle, self._settle_crashed, routed, links)
         agent.engine.on_advance([r.req for r in routed], step.advance)
         return True
@@ -397,9 +399,9 @@ class ReadFlow:
             self._fail_all(reads, exc)
             return []
         items = [(r.request_id, r.remote_ids, self._window(r)) for r in reads]
-        started = time.perf_counter()
+        started, clock = time.perf_counter(), self._agent.clock.now()
         for r in reads:
-            r.claim_started = started
+            r.claim_started, r.claim_clock = started, clock
         lost = []
         lane = reads[0].remote if reads else None  # give-backs run on the lane these reads run on
         for r, sent in zip(reads, claims.send_many(items, links, timeout=wait, lane=lane)):
@@ -588,12 +590,14 @@ class ReadFlow:
                 continue
             staged = r.route is not None and r.route.mode is TransferPath.STAGED
             try:
-                claims.answers(r.request_id, r.sent)
+                window = claims.answers(r.request_id, r.sent)
             except KvxferError as exc:
                 if staged:
                     agent.paths.drop_packs(r.route)
                 self._fail(r, exc)
                 continue
+            if window is not None:  # the producers hold the blocks no longer than they granted
+                agent.engine.bound_deadline(r.req, r.claim_clock + window)
             claimed = time.perf_counter() - r.claim_started
             if not r.live:  # failed (routing, abort, deadline) meanwhile: the grant is not wanted
                 if staged:

@@ -550,6 +550,14 @@ class TransferEngine:
         if req.posted:
             req.handle._nudge()  # a waiter may poll it now (not before its post: nothing to poll)
 
+    def bound_deadline(self, req: "_Request", deadline: float) -> None:
+        """Bring ``req``'s deadline forward to ``deadline`` (engine clock) if it is earlier: its
+        producers granted a window that ends then (they count it from their receipt of the
+        claim, so it ends no earlier); it succeeds only if done by then."""
+        with req.lock:
+            if req.deadline is None or deadline < req.deadline:
+                req.deadline = deadline
+
     def on_advance(self, reqs: list["_Request"], advance: Callable[[float], object]) -> None:
         """``advance(block)`` moves ``reqs`` on while their grant is pending (see ``_Request``):
         every poll of one of them (``done``, ``wait``, ``progress``) calls it first."""
