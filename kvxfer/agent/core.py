@@ -393,7 +393,9 @@ class Agent:
         refuse it with a ConfigError on the handle).
 
         ``timeout`` (default ``config.transfer_timeout``) bounds the whole read, handshake and
-        claim included; it is also the transfer window the claim asks the producer for. The
+        claim included; it is also the transfer window the claim asks the producer for (a
+        producer grants at most 480 s, or the hold's lease where longer; a read then ends by the
+        window granted, and ``None`` asks for the hold's lease). The
         handle succeeds only if every byte arrived inside that window and the producer granted
         the claim: exactly the bytes held, or a typed error. A failed read's handle ends once its
         transfers have ended (no byte lands afterwards), or its blocks are reported quarantined
