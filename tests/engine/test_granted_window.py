@@ -17,7 +17,7 @@ def test_a_read_asking_more_than_the_producer_grants_ends_with_the_granted_windo
     prod, _ = harness.agent(s, seed=1)
     clock = ManualClock()
     cons, _ = harness.agent(s, seed=2, listen=False, clock=clock)
-    prod.hold("r", [1])                         # its lease (30 s) is under the cap of a claim's window
+    prod.hold("r", [1])                         # the default lease: a claim's window is capped at 480 s
     cons._backend.hold_transfers(True)          # the move is still running
     handle = cons.read(prod.address, [0], [1], "r", timeout=1000.0)
     assert wait_for(lambda: "r" in cons._parts.claims._granted)   # granted: 480 s, capped
