@@ -137,7 +137,8 @@ class Agent:
         self._reports = Reports(clock=self._clock.now)
         self._announced = AnnouncementBook(self.config.lease_timeout, clock=self._clock.now)
         self._words_addr = 0                  # their address as registered with the backend (0: not)
-        self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release, on_hold=self._on_hold)
+        self._leases = LeaseTable(self.config.lease_timeout, self._clock, self._on_release, on_hold=self._on_hold,
+                                  on_end=self._on_end)
         self._service = ProducerService(parts)
         self._transport: Transport = transport or ZmqTransport()
         self._server: Listener | None = None
@@ -712,20 +713,26 @@ class Agent:
         parts.claims.pop_many([handle.request_id for handle in handles])
         parts.reports.reads_done(handles)
 
-    def _on_hold(self, request_id: str, ids, named: tuple) -> None:  # inside the lease table's lock
+    def _on_hold(self, request_id: str, ids, named: tuple, fresh: bool) -> None:  # inside the lease table's lock
         words = self._words
         if words is not None:
             if named:  # its reads must claim (the names are checked there): no token
                 words.retire(request_id)
             else:
                 words.issue(request_id, ids)
+        if fresh:  # a replace that found the old hold just ended: it replaces that hold, whose end is not reported
+            self._reports.withdraw(request_id)
 
-    def _on_release(self, request_id: str, why: str) -> None:
-        if self._words is not None:  # the word changes before anything reports the blocks free
+    def _on_end(self, request_id: str, why: str) -> None:  # inside the lease table's lock
+        """A hold leaves the lease table: its word changes, then its end is reported (``finished``,
+        ``status``), both before ``holding`` turns False and before any next hold of the id."""
+        if self._words is not None:
             self._words.retire(request_id)
+        self._reports.released(request_id, why)
+
+    def _on_release(self, request_id: str, why: str) -> None:  # after the hold left the table
         if self._paths is not None:
             self._paths.packer.cancel(request_id, why)
-        self._reports.released(request_id, why)
 
     def _unpack(self, plan, staging_addr: int) -> None:
         staging = host_view(staging_addr, plan.staging_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -171,6 +172,19 @@ class Reports:
         with self._lock:
             self._report(reason.value, request_id)
             self._remember(request_id, RequestState(reason.value))
+
+    def withdraw(self, request_id: str) -> None:
+        """Take back a hold's end not yet drained (``sent``, ``aborted``, ``expired``): a ``replace``
+        of the request came right after it ended and stands for it, as a replace of a live hold
+        reports nothing."""
+        with self._lock:
+            for kind in ("sent", "aborted", "expired"):
+                ids = getattr(self._current, kind)
+                if request_id in ids:
+                    ids.discard(request_id)
+                    with contextlib.suppress(ValueError):
+                        self._order.remove((kind, request_id))
+            self._ended.pop(request_id, None)
 
     def reclaimed(self, request_id: str) -> None:
         """A failed read's quarantined blocks are free again."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from kvxfer.agent.args import MAX_BLOCK_ID, address, deadline_for, request_id, sequence
 from kvxfer.agent.heartbeats import tell_abort
 from kvxfer.agent.jobs import LaneJob
@@ -58,6 +60,15 @@ class AbortJob(LaneJob):
         log.debug("abort of %r not told: %s", self.request_id, error)
 
 
+def _good_token(token) -> bool:
+    """Whether ``token`` is a ``HoldToken`` whose fields are what ``HoldToken.from_wire`` accepts."""
+    if not isinstance(token, HoldToken):
+        return False
+    fields = (token.slot, token.epoch, token.tag)
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 <= int(v) < 1 << 64
+               for v in fields) and int(token.epoch) > 0
+
+
 class Submissions:
     """The consumer's reads and writes, from the call to their lane (see the module doc)."""
 
@@ -74,9 +85,9 @@ class Submissions:
                 raise ConfigError(f"read_many takes ReadRequest items; got {type(rr).__name__}")
             request_id(rr.request_id)
             check_flag(rr.same_format, "same_format")
-            if rr.token is not None and not isinstance(rr.token, HoldToken):
-                raise ConfigError(f"a read's token must be a HoldToken or None; got {type(rr.token).__name__} "
-                                  f"for request {rr.request_id!r}")
+            if rr.token is not None and not _good_token(rr.token):
+                raise ConfigError(f"a read's token must be a HoldToken of three integers below 2**64 (epoch >= 1) "
+                                  f"or None; got {rr.token!r} for request {rr.request_id!r}")
         # the step's ids checked together (the same checks and errors as one by one)
         locals_ = check_block_id_lists("local", [rr.local_blocks for rr in requests], agent.spec.num_blocks)
         remotes = check_block_id_lists("remote", [rr.remote_blocks for rr in requests], MAX_BLOCK_ID)

@@ -19,6 +19,7 @@ import hashlib
 import mmap
 import os
 import re
+import secrets
 import threading
 
 import numpy as np
@@ -26,13 +27,25 @@ import numpy as np
 from kvxfer.errors import ConfigError
 from kvxfer.types import HoldToken
 
-__all__ = ["HoldWords", "TokenBook", "WordView", "hold_tag", "sweep_stale", "DEFAULT_SLOTS"]
+__all__ = ["HoldWords", "TokenBook", "WordView", "hold_tag", "sweep_stale", "DEFAULT_SLOTS", "MAX_EPOCH", "epoch_base"]
 
 #: Slots of a producer's table (16 bytes each: 1 MiB). A hold that finds none free gets no token.
 DEFAULT_SLOTS = 65_536
 
 _DIR = "/dev/shm"
 _INT64 = np.dtype(np.int64)
+
+
+#: Epochs stay below this (a caller's token above it is refused): a table counts up from a random
+#: base below 2**62, so it never reaches 2**64, which the word cannot store.
+MAX_EPOCH = 1 << 63
+
+
+def epoch_base() -> int:
+    """Where a new table (or ``TokenBook``) starts counting epochs: a random 62-bit number, so a
+    restarted producer (slot 0 again, the same request ids and block ids) never writes the word a
+    token of its previous incarnation holds."""
+    return secrets.randbits(62)
 
 
 def hold_tag(request_id: str, block_ids) -> int:
@@ -99,7 +112,7 @@ class HoldWords:
         self._taken = np.zeros(slots, dtype=bool)
         self._last = np.zeros(slots, dtype=np.uint64)  # the last epoch written to each slot
         self._wanted: dict[str, tuple[HoldToken, bool]] = {}  # ``reserve``d tokens (and: it took the slot)
-        self._epoch = 0
+        self._epoch = epoch_base()  # a restarted producer's table never repeats an old token
         self._lock = threading.Lock()
         self._closed = False
 
@@ -165,9 +178,9 @@ class HoldWords:
                 raise ConfigError(f"request {request_id!r} holds slot {own}; its new token names slot {slot}")
             if own is None and self._taken[slot]:
                 raise ConfigError(f"request {request_id!r}: hold token slot {slot} is another hold's")
-            if not 0 < epoch < (1 << 64) or epoch <= int(self._last[slot]):
-                raise ConfigError(f"request {request_id!r}: hold token epoch {epoch} must be above the last "
-                                  f"epoch of slot {slot} ({int(self._last[slot])})")
+            if not isinstance(epoch, int) or not 0 < epoch < MAX_EPOCH or epoch <= int(self._last[slot]):
+                raise ConfigError(f"request {request_id!r}: hold token epoch {epoch!r} must be an integer below "
+                                  f"2**63 and above the last epoch of slot {slot} ({int(self._last[slot])})")
             if own is None:
                 self._taken[slot] = True
                 self._slot[request_id] = slot
@@ -235,7 +248,7 @@ class TokenBook:
         self.slots = slots
         self._free = collections.deque(range(slots))
         self._slot: dict[str, int] = {}
-        self._epoch = 0
+        self._epoch = epoch_base()
 
     def issue(self, request_id: str, block_ids) -> HoldToken | None:
         """A token for holding ``block_ids`` of ``request_id`` (its slot kept if it has one; a new

@@ -111,14 +111,22 @@ class LeaseTable:
             ``why`` is a ``ReleaseReason`` (equal to "sent", "aborted" or "expired").
         max_window: the longest transfer window a claim may name (a hostile or confused
             consumer cannot pin blocks for longer).
-        on_hold: ``(request_id, ids, named)`` inside the table's lock once a hold (or a
-            replacement) is recorded: the agent writes the hold's word there, so no release can
-            come between the hold and its word (docs/reliability.md, "hold tokens").
+        on_hold: ``(request_id, ids, named, fresh)`` inside the table's lock once a hold (or a
+            replacement) is recorded (``fresh``: a ``replace`` that found no hold to replace):
+            the agent writes the hold's word there, so no release can come between the hold and
+            its word (docs/reliability.md, "hold tokens"). If it raises, the hold is not made
+            (a replaced hold stays as it was) and the error propagates.
+        on_end: ``(request_id, why)`` inside the table's lock as a hold leaves it, before
+            ``held`` turns False and before any later hold of the same id: the agent changes the
+            hold's word and files its report there, so nothing says the blocks are free while
+            the word still proves the hold, and a hold made next is never reported freed by the
+            old one's end.
     """
 
     def __init__(self, lease: float, clock: Clock | None = None,
                  on_release: Callable[[str, str], None] | None = None, max_window: float = 480.0,
-                 on_hold: Callable[[str, np.ndarray, tuple], None] | None = None) -> None:
+                 on_hold: Callable[[str, np.ndarray, tuple, bool], None] | None = None,
+                 on_end: Callable[[str, str], None] | None = None) -> None:
         if lease <= 0:
             raise ConfigError(f"lease must be positive; got {lease!r}")
         if max_window <= 0:
@@ -132,6 +140,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._on_release = on_release or (lambda request_id, why: None)
         self._on_hold = on_hold
+        self._on_end = on_end
 
     def __len__(self) -> int:
         with self._lock:
@@ -190,9 +199,16 @@ class LeaseTable:
             self._holds[request_id] = Hold(request_id, unique, consumers, deadline, lease,
                                            named=tuple(named), _given=ids.tolist(),
                                            _packed=pack_ids(ids) or b"")
-            self._look_at(request_id, deadline)
             if self._on_hold is not None:
-                self._on_hold(request_id, ids, tuple(named))
+                try:
+                    self._on_hold(request_id, ids, tuple(named), replace and old is None)
+                except BaseException:
+                    if old is None:
+                        del self._holds[request_id]
+                    else:
+                        self._holds[request_id] = old
+                    raise
+            self._look_at(request_id, deadline)
 
     def claim(self, request_id: str, consumer: str, blocks, expected_if_unset: int = 1,
               window: float = 0.0) -> ClaimResult:
@@ -277,7 +293,7 @@ class LeaseTable:
             else:
                 self._look_at(request_id, now)  # the windows left decide: look at it again
                 return False
-            del self._holds[request_id]
+            self._end(request_id, why)
         self._on_release(request_id, why)
         return True
 
@@ -314,7 +330,7 @@ class LeaseTable:
                 return ReleaseOutcome.FREE_WHEN_FINISHED
             else:
                 outcome = ReleaseOutcome.FREE_NOW
-            del self._holds[request_id]
+            self._end(request_id, why)
         self._on_release(request_id, why)
         return outcome
 
@@ -352,10 +368,16 @@ class LeaseTable:
                     self._look_at(rid, _next_change(hold, now))
                     continue
                 freed.append((rid, hold.ending or ReleaseReason.EXPIRED))
-                del self._holds[rid]
+                self._end(rid, freed[-1][1])
         for rid, why in freed:
             self._on_release(rid, why)
         return [rid for rid, _ in freed]
+
+    def _end(self, request_id: str, why: str) -> None:
+        """``request_id``'s hold leaves the table (caller holds the lock): ``on_end`` first."""
+        if self._on_end is not None:
+            self._on_end(request_id, why)
+        del self._holds[request_id]
 
     def _look_at(self, request_id: str, when: float) -> None:
         """Have ``expire`` look at ``request_id`` once ``when`` has come (caller holds the lock)."""

@@ -111,6 +111,12 @@ def _answer(agent: Agent, engine: ReusingEngine, handles: list, what: tuple):
         address, local, remote, rid, timeout = args
         handles.append(agent.read(tuple(address), local, remote, rid, timeout=timeout))
         return "started"
+    if op == "outcome":  # the last read's handle: "pending", "exact" or its error's type
+        handle = handles[-1]
+        if not handle.done():
+            return "pending"
+        error = handle.exception()
+        return "exact" if error is None else type(error).__name__
     if op == "write":
         address, local, remote, rid, timeout = args
         try:
