@@ -713,15 +713,17 @@ class Agent:
         parts.claims.pop_many([handle.request_id for handle in handles])
         parts.reports.reads_done(handles)
 
-    def _on_hold(self, request_id: str, ids, named: tuple, fresh: bool) -> None:  # inside the lease table's lock
-        words = self._words
+    def _on_hold(self, request_id: str, ids, named: tuple, fresh: bool) -> int | None:  # inside the lease lock
+        """Write the hold's word; returns its epoch (None: no token)."""
+        words, token = self._words, None
         if words is not None:
             if named:  # its reads must claim (the names are checked there): no token
                 words.retire(request_id)
             else:
-                words.issue(request_id, ids)
+                token = words.issue(request_id, ids)
         if fresh:  # a replace that found the old hold just ended: it replaces that hold, whose end is not reported
             self._reports.withdraw(request_id)
+        return token.epoch if token is not None else None
 
     def _on_end(self, request_id: str, why: str) -> None:  # inside the lease table's lock
         """A hold leaves the lease table: its word changes, then its end is reported (``finished``,

@@ -66,11 +66,11 @@ class DoneSender:
         self._queued: list = []  # (link, request_id) not yet handed to a lane (``flush``)
         self._lock = threading.Lock()
 
-    def send(self, link, request_id: str) -> None:
+    def send(self, link, request_id: str, epoch: int = 0) -> None:
         """Queue a notice to ``link``'s producer rank (never blocks, wakes nobody); it goes at the
-        next ``flush``."""
+        next ``flush``. ``epoch``: the hold token's the read went by (0: it claimed)."""
         with self._lock:
-            self._queued.append((link, request_id))
+            self._queued.append((link, request_id, epoch))
 
     def pending(self) -> int:
         """Notices queued and not yet handed to a lane."""
@@ -83,8 +83,9 @@ class DoneSender:
         with self._lock:
             items, self._queued = self._queued, []
         by_rank: dict[tuple, list] = {}
-        for link, request_id in items:
-            by_rank.setdefault((link.host, link.port), []).append((link, request_id))
+        for item in items:
+            link = item[0]
+            by_rank.setdefault((link.host, link.port), []).append(item)
         for key, notices in by_rank.items():
             self._put(key, notices)
 
@@ -93,25 +94,28 @@ class DoneSender:
             self._lanes.put_many(key, notices)
         except RuntimeError:
             log.debug("done notices of %s after close: dropped (their leases will expire)",
-                      [request_id for _, request_id in notices])
+                      [item[1] for item in notices])
 
     def _run(self, _key, items: list) -> None:
         """The notices queued for one producer rank's address: those to one link (one engine)
         go in one ``Done`` when the producer reads ``Done.more``, else one each."""
         by_link: dict[int, tuple] = {}
-        for link, request_id in items:
-            by_link.setdefault(id(link), (link, []))[1].append(request_id)
-        for link, request_ids in by_link.values():
+        for link, request_id, epoch in items:
+            entry = by_link.setdefault(id(link), (link, [], []))
+            entry[1].append(request_id)
+            entry[2].append(epoch)
+        for link, request_ids, epochs in by_link.values():
             if getattr(link.info, "batch_done", False) and knows_done(link.info):
                 for at in range(0, len(request_ids), MAX_BATCH + 1):
-                    chunk = request_ids[at:at + MAX_BATCH + 1]
-                    self._tell(link, chunk[0], Done(chunk[0], self._engine_id, chunk[1:]))
+                    chunk, marks = request_ids[at:at + MAX_BATCH + 1], epochs[at:at + MAX_BATCH + 1]
+                    self._tell(link, chunk[0], Done(chunk[0], self._engine_id, chunk[1:],
+                                                    marks if any(marks) else []))
                 continue
-            for request_id in request_ids:
+            for request_id, epoch in zip(request_ids, epochs):
                 if self._notify is not None and not knows_done(link.info):
                     self._notify_old(link, request_id)  # an older producer: the notification it expects
                 else:
-                    self._tell(link, request_id, Done(request_id, self._engine_id))
+                    self._tell(link, request_id, Done(request_id, self._engine_id, [], [epoch] if epoch else []))
 
     def _tell(self, link, request_id: str, message: Done) -> None:
         count = 1 + len(message.more)

@@ -96,6 +96,12 @@ class PendingRead:
         return self.req.phase in LIVE
 
     @property
+    def epoch(self) -> int:
+        """The epoch its done notice names: its hold token's when it went by the token, else 0
+        (the producer then ends the request's hold, whichever it is)."""
+        return self.token.epoch if self.tokened else 0
+
+    @property
     def note(self) -> bytes:
         """The NIXL notification that tells the producer this read is done (made on first use:
         a kernel's or a step's shared post notifies through the done lane and needs none)."""
@@ -462,7 +468,7 @@ class ReadFlow:
             now = time.perf_counter()
             for r, read_parts in zip(live, parts):
                 for link, part in zip(links, read_parts):
-                    part.on_done = partial(send, link, r.request_id)
+                    part.on_done = partial(send, link, r.request_id, r.epoch)
                 r.launched = r.route
                 self._on_success(r)
             engine.attach_step([r.req for r in live], parts, mode=TransferPath.IPC,
@@ -499,7 +505,7 @@ class ReadFlow:
                         by_name = {link.agent_name: link for link in r.route.links}
                     link = by_name.get(part.peer)
                     if link is not None:
-                        part.on_done = partial(agent.done.send, link, r.request_id)
+                        part.on_done = partial(agent.done.send, link, r.request_id, r.epoch)
                         part.notification = b""
                     elif part.job is None and part.notification:
                         part.on_done = partial(agent.backend.notify, part.peer, part.notification)
@@ -537,7 +543,7 @@ class ReadFlow:
                     send, now = agent.done.send, time.perf_counter()
                     for r, read_parts in zip(group, parts):
                         for link, part in zip(r.route.links, read_parts):
-                            part.on_done = partial(send, link, r.request_id)  # once known good
+                            part.on_done = partial(send, link, r.request_id, r.epoch)  # once known good
                         self._on_success(r)
                     agent.engine.attach_step([r.req for r in group], parts, mode=TransferPath.DIRECT,
                                              setup_seconds=[now - r.started for r in group], grant=grant)
@@ -571,7 +577,7 @@ class ReadFlow:
         done_links = list(r.route.links) if r.route.chunked else []
         done_links += self._notify_only(r)
         if done_links:
-            r.req.on_success = lambda: [agent.done.send(link, r.request_id) for link in done_links]
+            r.req.on_success = lambda: [agent.done.send(link, r.request_id, r.epoch) for link in done_links]
 
     def _notify_only(self, r: PendingRead) -> list:
         if not r.sent:  # a read by its token claimed nothing
@@ -624,7 +630,7 @@ class ReadFlow:
                         continue
                     previous = r
                     for link, part in zip(r.route.links, parts):
-                        part.on_done = partial(agent.done.send, link, r.request_id)
+                        part.on_done = partial(agent.done.send, link, r.request_id, r.epoch)
                     self._attach(r, parts, started=True)
             agent.engine.grant(r.req, claim_seconds=claimed)
             if r.route.mode is TransferPath.STAGED:

@@ -144,8 +144,10 @@ class ProducerService:
             # The wire keeps its bool: True when this abort ended the hold (now or once windows close).
             return Ack(released=outcome in (ReleaseOutcome.FREE_NOW, ReleaseOutcome.FREE_WHEN_FINISHED))
         if isinstance(message, Done):  # same effect as the completion notification of a NIXL read
-            for request_id in (message.request_id, *message.more):
-                leases.done(request_id, message.engine_id)
+            ids = (message.request_id, *message.more)
+            epochs = message.epochs if len(message.epochs) == len(ids) else [0] * len(ids)
+            for request_id, epoch in zip(ids, epochs):
+                leases.done(request_id, message.engine_id, epoch)  # an earlier hold's epoch: nothing
             return Ack()
         if isinstance(message, Announce):
             return self._announce(message)

@@ -47,6 +47,7 @@ class Hold:
     done_by: set[str] = field(default_factory=set)
     ending: str = ""              # why the hold ends once its windows close ("aborted", "expired")
     named: tuple[str, ...] = ()   # consumer engines that may act on it (``engine_named``); () = anyone
+    epoch: int = 0                # its hold word's epoch (``on_hold``'s answer; 0: none)
     _members: frozenset | None = None  # ``blocks`` as a set, built when a claim names other ids
     _given: list | None = None         # the ids as ``hold`` got them (a claim usually names exactly these)
     _packed: bytes = b""               # ``_given`` as ``Claim.packed_ids``
@@ -112,7 +113,8 @@ class LeaseTable:
         max_window: the longest transfer window a claim may name (a hostile or confused
             consumer cannot pin blocks for longer).
         on_hold: ``(request_id, ids, named, fresh)`` inside the table's lock once a hold (or a
-            replacement) is recorded (``fresh``: a ``replace`` that found no hold to replace):
+            replacement) is recorded (``fresh``: a ``replace`` that found no hold to replace);
+            returns the epoch of the hold's word, or None (``done`` checks a token read's):
             the agent writes the hold's word there, so no release can come between the hold and
             its word (docs/reliability.md, "hold tokens"). If it raises, the hold is not made
             (a replaced hold stays as it was) and the error propagates.
@@ -201,7 +203,8 @@ class LeaseTable:
                                            _packed=pack_ids(ids) or b"")
             if self._on_hold is not None:
                 try:
-                    self._on_hold(request_id, ids, tuple(named), replace and old is None)
+                    self._holds[request_id].epoch = self._on_hold(request_id, ids, tuple(named),
+                                                                  replace and old is None) or 0
                 except BaseException:
                     if old is None:
                         del self._holds[request_id]
@@ -271,12 +274,14 @@ class LeaseTable:
                     alive.append(rid)
         return alive, gone
 
-    def done(self, request_id: str, consumer: str) -> bool:
-        """A consumer finished reading. Returns True when this freed the hold."""
+    def done(self, request_id: str, consumer: str, epoch: int = 0) -> bool:
+        """A consumer finished reading. Returns True when this freed the hold. ``epoch``: the
+        hold token's the read went by (0: none); a done naming another epoch is a read's of an
+        earlier hold of the request (replaced since) and changes nothing."""
         now = self._clock.now()
         with self._lock:
             hold = self._holds.get(request_id)
-            if hold is None or not hold.allows(consumer):
+            if hold is None or not hold.allows(consumer) or (epoch and epoch != hold.epoch):
                 return False
             hold.done_by.add(consumer)
             hold.windows.pop(consumer, None)

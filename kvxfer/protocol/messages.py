@@ -374,6 +374,10 @@ class Done(_Msg, frozen=True):
     # Appended: more requests this consumer finished, told in the same message (a step's reads,
     # to a producer that announces ``PeerInfo.batch_done``). Older peers never get it.
     more: Annotated[list[Id], Meta(max_length=MAX_BATCH)] = []
+    # Appended: for ``request_id`` and each of ``more``, in order, the epoch of the hold token the
+    # read went by (0: it claimed); a producer ends only the hold that epoch names, never a later
+    # one of the same request. Empty: no epoch (older consumers); older producers ignore it.
+    epochs: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_BATCH + 1)] = []
 
 
 #: Largest ``Announce.payload`` / ``WritesDone.aux`` (bytes): a few rows of engine metadata, not KV.

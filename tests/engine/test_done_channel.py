@@ -148,7 +148,7 @@ def test_a_producer_without_batch_done_gets_one_notice_per_request(harness):
         prod.hold(f"r{i}", [i])
     messages: list = []
     _seen(prod, messages)
-    cons._done._run(None, [(link, f"r{i}") for i in range(3)])
+    cons._done._run(None, [(link, f"r{i}", 0) for i in range(3)])
     assert [m.more for m in messages if isinstance(m, Done)] == [[], [], []]
     assert _told(messages) == ["r0", "r1", "r2"]
     assert wait_for(lambda: not any(prod.holding(f"r{i}") for i in range(3)))
@@ -159,6 +159,11 @@ def test_done_more_round_trips_and_is_bounded():
     message = Done("a", "eng", ["b", "c"])
     assert codec.decode(codec.encode(message)) == message
     assert codec.decode(codec.encode(Done("a", "eng"))).more == []
+    assert codec.decode(codec.encode(Done("a", "eng"))).epochs == []          # an older consumer's
+    with_epochs = Done("a", "eng", ["b"], [(1 << 64) - 1, 0])                  # a token read, a claimed one
+    assert codec.decode(codec.encode(with_epochs)) == with_epochs
+    with pytest.raises(ProtocolError):
+        codec.decode(codec.encode(Done("a", "eng", [], [-1])))
     with pytest.raises(ProtocolError):
         codec.decode(codec.encode(Done("a", "eng", ["x"] * (MAX_BATCH + 1))))
 

@@ -27,7 +27,7 @@ from kvxfer import ConfigError, HoldToken, LeaseExpiredError, ReadRequest
 from kvxfer.engine.holdwords import hold_tag
 from kvxfer.engine.leases import LeaseTable
 
-from agent_helpers import spec
+from agent_helpers import spec, wait_for
 
 
 def _overwrite(cache, blocks, value):
@@ -183,3 +183,39 @@ def test_a_token_of_a_previous_incarnation_never_matches_a_later_hold(harness, m
     assert p2.hold_token("r") != old
     with pytest.raises(LeaseExpiredError):
         handle.wait(5)
+
+
+def test_a_token_reads_late_done_leaves_the_replacement_hold_alone(harness):
+    """A token read opens no claim window, so ``hold(replace=True)`` may come between its success
+    and the arrival of its done notice (queued, sent on its own lane). Before, that notice, naming
+    only the request, ended the replacement hold ("sent") though nobody had read it; it now names
+    the token's epoch, and the producer ends only the hold of that epoch."""
+    from kvxfer import AlreadyHeldError
+
+    s = spec()
+    prod, _ = harness.agent(s, seed=1)
+    cons, ccache = harness.agent(s, seed=2, listen=False)
+    leases = prod._leases
+    real_done = leases.done
+    in_flight: list = []
+    leases.done = lambda *args: in_flight.append(args) or False      # the notice still travelling
+    try:
+        prod.hold("c", [5, 1])                     # a claimed read: its window stays open until its done
+        cons.read(prod.address, [0, 3], [5, 1], "c").wait(5)
+        assert wait_for(lambda: in_flight, 5)
+        with pytest.raises(AlreadyHeldError):
+            prod.hold("c", [2, 4], replace=True)
+        in_flight.clear()
+        prod.hold("r", [5, 1, 7])                  # a token read: nothing open, the replace is taken
+        token = prod.hold_token("r")
+        cons.read_many([ReadRequest(prod.address, [0, 3, 9], [5, 1, 7], "r", token=token)])[0].wait(5)
+        assert wait_for(lambda: in_flight, 5)
+        prod.hold("r", [2, 6], replace=True)
+        new = prod.hold_token("r")
+    finally:
+        leases.done = real_done
+    for args in in_flight:
+        leases.done(*args)                         # the old read's notice arrives
+    assert prod.holding("r") and "r" not in prod.finished().freed
+    cons.read_many([ReadRequest(prod.address, [4, 8], [2, 6], "r", token=new)])[0].wait(5)
+    assert wait_for(lambda: not prod.holding("r"))  # its own read's notice ends it
