@@ -108,6 +108,7 @@ class HoldWords:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype="<u8").reshape(slots, 2)
         self._free = list(range(slots - 1, -1, -1))  # may also list slots taken by ``reserve`` (skipped)
+        self._listed = np.ones(slots, dtype=bool)    # in ``_free`` (each slot at most once: no growth)
         self._slot: dict[str, int] = {}   # request id -> its slot
         self._taken = np.zeros(slots, dtype=bool)
         self._last = np.zeros(slots, dtype=np.uint64)  # the last epoch written to each slot
@@ -145,6 +146,7 @@ class HoldWords:
     def _pop_free(self) -> int | None:
         while self._free:
             slot = self._free.pop()
+            self._listed[slot] = False
             if not self._taken[slot]:
                 self._taken[slot] = True
                 return slot
@@ -194,7 +196,7 @@ class HoldWords:
             if token is not None and took and self._slot.get(request_id) == token.slot:
                 del self._slot[request_id]
                 self._taken[token.slot] = False
-                self._free.append(token.slot)
+                self._list_free(token.slot)
 
     def token(self, request_id: str) -> HoldToken | None:
         """The token of ``request_id``'s current hold, or None (no hold, or none was given)."""
@@ -215,6 +217,13 @@ class HoldWords:
                 return
             self.array[slot, 0] = 0
             self._taken[slot] = False
+            self._list_free(slot)
+
+    def _list_free(self, slot: int) -> None:
+        """Put ``slot`` on the free list unless it is there already (a slot ``reserve`` took stays
+        listed, skipped when popped): the list never holds more than ``slots`` entries."""
+        if not self._listed[slot]:
+            self._listed[slot] = True
             self._free.append(slot)
 
     def close(self) -> None:

@@ -219,3 +219,27 @@ def test_a_token_reads_late_done_leaves_the_replacement_hold_alone(harness):
     assert prod.holding("r") and "r" not in prod.finished().freed
     cons.read_many([ReadRequest(prod.address, [4, 8], [2, 6], "r", token=new)])[0].wait(5)
     assert wait_for(lambda: not prod.holding("r"))  # its own read's notice ends it
+
+
+def test_the_free_slot_list_never_grows_past_the_table(tmp_path):
+    """Holds made under a caller's token (``reserve``: every hold of vLLM's workers) put their slot
+    on the free list again when they ended, though it was still listed: the list grew by one entry
+    per hold for the life of the process."""
+    from kvxfer.engine.holdwords import HoldWords
+
+    words = HoldWords("e", slots=4, directory=str(tmp_path))
+    try:
+        epoch = 1 << 40
+        for i in range(100):
+            rid, ids = f"r{i}", [i % 7]
+            epoch += 1
+            words.reserve(rid, HoldToken(i % 4, epoch, hold_tag(rid, ids)), ids)
+            if i % 3:
+                words.issue(rid, ids)
+                words.retire(rid)
+            else:
+                words.unreserve(rid)         # a hold refused after its reserve
+        assert len(words._free) <= 4
+        assert sorted(words.issue(f"x{i}", [i]).slot for i in range(4)) == [0, 1, 2, 3]
+    finally:
+        words.close()
