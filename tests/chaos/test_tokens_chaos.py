@@ -12,6 +12,7 @@ trials each; docs/reliability.md ("hold tokens", the fault matrix) lists the cas
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -93,7 +94,8 @@ def _drop_table(pid: int) -> None:
     import glob
 
     for path in glob.glob(f"/dev/shm/kvxfer-holds-*-{pid}"):
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):  # another agent's start swept it first (sweep_stale)
+            os.unlink(path)
 
 
 # ---- release -------------------------------------------------------------------------------
